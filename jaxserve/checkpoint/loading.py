@@ -1,0 +1,101 @@
+"""`load_model`: a model folder (or the built-in model) -> config, graph definition and device-resident parameters.
+
+A folder holding a converted Orbax checkpoint (`orbax/`) restores from it, reading all tensors concurrently straight
+into their target sharding; otherwise its HF safetensors weights are streamed in one tensor at a time.
+`convert_hf_to_orbax` produces such a folder; `benchmarks/load_time.py` compares the two paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.checkpoint.builtin import BUILTIN_MODEL_DIR, builtin_params
+from jaxserve.checkpoint.model_files import (
+    CONFIG_FILE,
+    SIDECAR_FILES,
+    check_model_dir,
+    has_orbax_checkpoint,
+    orbax_dir,
+)
+from jaxserve.checkpoint.orbax_io import restore_orbax, save_orbax
+from jaxserve.checkpoint.param_tree import abstract_params, default_sharding, fill_params
+from jaxserve.checkpoint.safetensors_loader import load_safetensors
+from jaxserve.errors import ModelLoadError
+from jaxserve.model.config import LlamaConfig
+from jaxserve.model.dtypes import resolve_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: `nnx.merge(graphdef, params)` rebuilds the `LlamaForCausalLM`."""
+
+    config: LlamaConfig  # architecture hyper-parameters from config.json
+    graphdef: nnx.GraphDef  # module structure without weights
+    params: nnx.State  # every nnx.Param, on the default device, in `dtype`
+    dtype: np.dtype  # dtype of weights and activations
+    model_dir: Path  # folder holding config and tokenizer files (BUILTIN_MODEL_DIR for the built-in model)
+    source: str  # where the weights came from: "safetensors", "orbax" or "builtin"
+
+
+def load_model(model_dir: Path | None, dtype: str = "auto", progress: bool = True) -> LoadedModel:
+    """Load the model in `model_dir`, or the built-in model when it is None.
+
+    `dtype` is `auto` or a name `resolve_dtype` accepts. `progress` shows a progress bar while streaming
+    safetensors. Raises `ModelLoadError` (naming the file or tensor at fault) on anything wrong with the folder.
+    """
+    if model_dir is None:
+        return _load_builtin(dtype)
+    model_dir = Path(model_dir)
+    check_model_dir(model_dir)
+    cfg = LlamaConfig.from_json_file(model_dir / CONFIG_FILE)
+    target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
+    abstract = abstract_params(cfg, target_dtype, default_sharding())
+    if has_orbax_checkpoint(model_dir):
+        source, arrays = "orbax", restore_orbax(orbax_dir(model_dir), abstract.specs)
+    else:
+        source, arrays = "safetensors", load_safetensors(model_dir, abstract.specs, progress)
+    params = fill_params(abstract, arrays)
+    return LoadedModel(cfg, abstract.graphdef, params, target_dtype, model_dir, source)
+
+
+def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> None:
+    """Convert an HF safetensors folder into `out_dir`: an Orbax checkpoint in `orbax/` plus config and tokenizer files.
+
+    Weights keep the dtype they have on disk; `load_model(out_dir, dtype=...)` casts while restoring. The weights
+    pass through host memory (the CPU device), so converting needs no accelerator and fits any model that fits in
+    RAM. The checkpoint is written last and appears atomically, so an interrupted run leaves no loadable half.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    check_model_dir(hf_dir)
+    if orbax_dir(out_dir).exists():
+        raise ModelLoadError(f"{orbax_dir(out_dir)} already exists; remove it or convert into another folder")
+    cfg = LlamaConfig.from_json_file(hf_dir / CONFIG_FILE)
+    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    # float32 is only a placeholder: keep_stored_dtype gives each array the dtype it has on disk.
+    abstract = abstract_params(cfg, jnp.dtype(jnp.float32), host)
+    arrays = load_safetensors(hf_dir, abstract.specs, progress, keep_stored_dtype=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _copy_sidecar_files(hf_dir, out_dir)
+    save_orbax(arrays, orbax_dir(out_dir))
+
+
+def _load_builtin(dtype: str) -> LoadedModel:
+    cfg = LlamaConfig.from_json_file(BUILTIN_MODEL_DIR / CONFIG_FILE)
+    target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
+    graphdef, params = builtin_params(cfg, target_dtype)
+    return LoadedModel(cfg, graphdef, params, target_dtype, BUILTIN_MODEL_DIR, "builtin")
+
+
+def _copy_sidecar_files(hf_dir: Path, out_dir: Path) -> None:
+    """Copy config and tokenizer files that exist, unless converting in place."""
+    for name in SIDECAR_FILES:
+        source, target = hf_dir / name, out_dir / name
+        if source.is_file() and source.resolve() != target.resolve():
+            shutil.copy2(source, target)

@@ -1,0 +1,171 @@
+"""Stream HF safetensors weights onto the device one tensor at a time.
+
+Every header is read and checked against the config first, so a wrong config fails in a second rather than after
+minutes of loading. Then each tensor is read from its (memory-mapped) file, cast on the host, copied to the device
+and waited for before the next read: host RAM holds at most one tensor (and its cast copy) at any moment.
+
+Casting on the host rather than on the device keeps the device's peak at exactly the target-dtype weights: a device
+cast would briefly hold the stored and the cast copy of a tensor side by side there, where memory is scarcest (and
+left over is what the KV cache gets). Downcasting on the host also halves the bytes sent to the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from jaxserve.checkpoint.model_files import safetensors_files
+from jaxserve.checkpoint.param_tree import FoundTensor, check_tensors_match
+from jaxserve.errors import ModelLoadError, UnsupportedModelError
+
+# Buffers some older checkpoints carry; the model computes them from the config instead.
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+TIED_EMBEDDING = "model.embed_tokens.weight"
+OUTPUT_PROJECTION = "lm_head.weight"
+
+_STORED_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(jnp.bfloat16),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a safetensors header describes it."""
+
+    file: Path  # the file holding it
+    shape: tuple[int, ...]  # as stored, HF's [out, in] for projections
+    dtype: np.dtype  # as stored
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def load_safetensors(
+    model_dir: Path,
+    specs: Mapping[str, jax.ShapeDtypeStruct],
+    progress: bool,
+    keep_stored_dtype: bool = False,
+) -> dict[str, jax.Array]:
+    """Tensor name -> device array, for exactly the names in `specs`, placed and cast as each spec says.
+
+    With `keep_stored_dtype` each array keeps the dtype it has on disk instead (conversion stores weights unchanged).
+    """
+    stored = read_checkpoint_headers(model_dir, specs)
+    if keep_stored_dtype:
+        specs = {name: spec.update(dtype=stored[name].dtype) for name, spec in specs.items()}
+    return stream_to_device(stored, specs, progress)
+
+
+def read_checkpoint_headers(model_dir: Path, specs: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, StoredTensor]:
+    """The stored tensors the model needs, after checking their names and shapes against `specs`.
+
+    Only headers are read. Raises `UnsupportedModelError` for non-float (quantized) tensors.
+    """
+    stored = _drop_ignored(_read_all_headers(safetensors_files(model_dir)), specs)
+    found = {name: FoundTensor(shape=tensor.shape, location=tensor.file.name) for name, tensor in stored.items()}
+    check_tensors_match(found, specs, where=str(model_dir))
+    return stored
+
+
+def stream_to_device(
+    stored: Mapping[str, StoredTensor],
+    specs: Mapping[str, jax.ShapeDtypeStruct],
+    progress: bool,
+) -> dict[str, jax.Array]:
+    """Read, cast and transfer one tensor at a time, file by file."""
+    arrays = {}
+    total_bytes = sum(tensor.nbytes for tensor in stored.values())
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="Loading safetensors", disable=not progress) as bar:
+        for file, names in _names_by_file(stored).items():
+            with open_safetensors(file) as reader:
+                for name in names:
+                    arrays[name] = to_device(read_tensor(reader, name, file), specs[name])
+                    bar.update(stored[name].nbytes)
+    return arrays
+
+
+def read_tensor(reader: safe_open, name: str, file: Path) -> np.ndarray:
+    """One tensor's data as a host array in its stored dtype."""
+    try:
+        return reader.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from None
+
+
+def to_device(host: np.ndarray, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """Cast on the host, copy to the device, and wait, so the host buffer is released before the next read."""
+    return jax.device_put(host.astype(spec.dtype, copy=False), spec.sharding).block_until_ready()
+
+
+@contextlib.contextmanager
+def open_safetensors(file: Path) -> Iterator[safe_open]:
+    """`safe_open` with numpy output, turning a corrupt or truncated file into a `ModelLoadError` naming it."""
+    try:
+        reader = safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{file} is not a valid safetensors file (corrupt or truncated?): {e}") from None
+    with reader:
+        yield reader
+
+
+def _read_all_headers(files: list[Path]) -> dict[str, StoredTensor]:
+    stored: dict[str, StoredTensor] = {}
+    for file in files:
+        with open_safetensors(file) as reader:
+            for name in reader.keys():
+                if name in stored:
+                    raise ModelLoadError(f"tensor {name} appears in both {stored[name].file.name} and {file.name}")
+                stored[name] = _describe(reader, name, file)
+    return stored
+
+
+def _describe(reader: safe_open, name: str, file: Path) -> StoredTensor:
+    header = reader.get_slice(name)
+    code = header.get_dtype()
+    if code not in _STORED_DTYPES:
+        raise UnsupportedModelError(
+            f"tensor {name} in {file} has dtype {code}; jaxserve loads float weights only "
+            f"({', '.join(_STORED_DTYPES)}), not quantized checkpoints"
+        )
+    return StoredTensor(file=file, shape=tuple(header.get_shape()), dtype=_STORED_DTYPES[code])
+
+
+def _drop_ignored(
+    stored: dict[str, StoredTensor],
+    specs: Mapping[str, jax.ShapeDtypeStruct],
+) -> dict[str, StoredTensor]:
+    """Leave out rotary buffers, and a redundant lm_head copy some exports of tied-embedding models carry."""
+    return {
+        name: tensor
+        for name, tensor in stored.items()
+        if not name.endswith(IGNORED_TENSOR_SUFFIXES) and not _is_redundant_output_projection(name, tensor, specs)
+    }
+
+
+def _is_redundant_output_projection(name: str, tensor: StoredTensor, specs: Mapping[str, jax.ShapeDtypeStruct]) -> bool:
+    return (
+        name == OUTPUT_PROJECTION
+        and OUTPUT_PROJECTION not in specs
+        and TIED_EMBEDDING in specs
+        and tensor.shape == specs[TIED_EMBEDDING].shape
+    )
+
+
+def _names_by_file(stored: Mapping[str, StoredTensor]) -> dict[Path, list[str]]:
+    by_file: dict[Path, list[str]] = {}
+    for name, tensor in stored.items():
+        by_file.setdefault(tensor.file, []).append(name)
+    return by_file

@@ -1,0 +1,1 @@
+"""Request bookkeeping above the model runner: stop conditions, detokenization, output assembly."""

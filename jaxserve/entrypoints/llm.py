@@ -1,0 +1,104 @@
+"""`LLM`: offline generation with vLLM's calling conventions, so evaluation scripts port over unchanged."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxserve.checkpoint import LoadedModel, load_model
+from jaxserve.engine.sequence import Sequence as GeneratingSequence
+from jaxserve.entrypoints.prompts import (TokenizedPrompt, check_prompt, normalize_prompts, params_per_prompt,
+                                          tokenize_prompt)
+from jaxserve.errors import ConfigError, InvalidRequestError
+from jaxserve.outputs import RequestOutput
+from jaxserve.runner.dense_decoder import DecodeRequest, DenseDecoder
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer, flatten_text_content, load_tokenizer
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """A model loaded for offline generation.
+
+    `model` is an HF folder (safetensors), a folder written by `jaxserve convert` (Orbax), or None for the built-in
+    tiny random model (its output is noise; it exists so that everything runs without weights).
+    """
+
+    def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0):
+        self.model: LoadedModel = load_model(Path(model) if model is not None else None, dtype=dtype)
+        self.tokenizer: Tokenizer = load_tokenizer(Path(tokenizer) if tokenizer is not None else self.model.model_dir)
+        self.max_model_len = _resolve_max_model_len(max_model_len, self.model.config.max_position_embeddings)
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self._decoder = DenseDecoder(self.model.config, self.model.graphdef, self.model.params, self.model.dtype,
+                                     max_batch=max_num_seqs, seed=seed)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates one continuation per prompt; prompts are text, `{"prompt_token_ids": [...]}`, or a list."""
+        prompt_list = normalize_prompts(prompts)
+        tokenized = [tokenize_prompt(p, self.tokenizer) for p in prompt_list]
+        return self._run(tokenized, params_per_prompt(sampling_params, len(tokenized)), use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+             ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation (a list of messages) or to a list of them."""
+        conversations = _as_conversations(messages)
+        tokenized = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                flatten_text_content(conversation), add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            # The template writes BOS itself; adding it again would double it.
+            tokenized.append(tokenize_prompt(text, self.tokenizer, add_special_tokens=False))
+        return self._run(tokenized, params_per_prompt(sampling_params, len(tokenized)), use_tqdm)
+
+    def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        for prompt in prompts:
+            check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
+        budgets = [min(p.max_tokens, self.max_model_len - len(t.token_ids)) for t, p in zip(prompts, params)]
+        sequences = [GeneratingSequence(self.tokenizer, t.token_ids, p, n) for t, p, n in zip(prompts, params, budgets)]
+        requests = [DecodeRequest(t.token_ids, p, n) for t, p, n in zip(prompts, params, budgets)]
+        with tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            def on_token(index, token) -> bool:
+                sequence = sequences[index]
+                sequence.append(token)
+                bar.update(int(sequence.finished))
+                return sequence.finished
+            self._decoder.decode(requests, on_token)
+        return [
+            RequestOutput(request_id=str(next(self._request_ids)), prompt=t.text, prompt_token_ids=t.token_ids,
+                          outputs=[s.to_output()], finished=True)
+            for t, s in zip(prompts, sequences)
+        ]
+
+
+def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
+    if requested is None:
+        return model_limit
+    if not 1 < requested <= model_limit:
+        raise ConfigError(f"max_model_len must be between 2 and the model's max_position_embeddings ({model_limit}), "
+                          f"got {requested}")
+    return requested
+
+
+def _as_conversations(messages: Any) -> list[Conversation]:
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        return [messages]
+    if isinstance(messages, list) and messages and all(isinstance(c, list) and c for c in messages):
+        return messages
+    raise InvalidRequestError("messages must be a non-empty list of message dicts, or a list of such lists",
+                              param="messages")

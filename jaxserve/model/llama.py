@@ -1,0 +1,150 @@
+"""Llama as Flax NNX modules whose parameter paths are HF's tensor names.
+
+`LlamaForCausalLM` holds `model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, ... and
+`lm_head.weight`, in HF's `[out, in]` layout, so a checkpoint tensor lands in the parameter of the same dotted name
+with no transpose or renaming. Callers split the module once (`nnx.split`) and jit pure functions over its state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model.config import LlamaConfig
+from jaxserve.model.kv_cache import DenseKVCache
+from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T (+ bias), with weight f[out, in] as HF stores it."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs, init_std: float):
+        self.weight = nnx.Param(init_std * jax.random.normal(rngs.params(), (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm computed in float32, cast back before the weight multiplies (as HF does)."""
+
+    def __init__(self, size: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((size,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table f[vocab, hidden]; also the output projection when embeddings are tied."""
+
+    def __init__(self, vocab: int, hidden: int, *, dtype, rngs: nnx.Rngs, init_std: float):
+        self.weight = nnx.Param(init_std * jax.random.normal(rngs.params(), (vocab, hidden), dtype))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention; the KV cache decides where K/V live and how they are read."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, init_std: float):
+        hidden, hd = cfg.hidden_size, cfg.head_dim
+        linear = dict(bias=cfg.attention_bias, dtype=dtype, rngs=rngs, init_std=init_std)
+        self.q_proj = Linear(hidden, cfg.num_attention_heads * hd, **linear)
+        self.k_proj = Linear(hidden, cfg.num_key_value_heads * hd, **linear)
+        self.v_proj = Linear(hidden, cfg.num_key_value_heads * hd, **linear)
+        self.o_proj = Linear(cfg.num_attention_heads * hd, hidden, **linear)
+        self.layer = layer
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = hd
+
+    def __call__(self, x, cos, sin, positions, cache: DenseKVCache):
+        batch, tokens, _ = x.shape
+        q = self.q_proj(x).reshape(batch, tokens, self.heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, tokens, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, tokens, self.kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out, cache = cache.update_and_attend(self.layer, q, k, v, positions, scale=self.head_dim**-0.5)
+        return self.o_proj(out.reshape(batch, tokens, self.heads * self.head_dim)), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float):
+        linear = dict(bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, init_std=init_std)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **linear)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **linear)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **linear)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, init_std: float):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs, init_std=init_std)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, init_std=init_std)
+
+    def __call__(self, x, cos, sin, positions, cache: DenseKVCache):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class LlamaModel(nnx.Module):
+    """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs, init_std=init_std)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, init_std=init_std) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rope = cfg.rope
+        self.head_dim = cfg.head_dim
+
+    def __call__(self, tokens, positions, cache: DenseKVCache):
+        # A trace-time numpy constant, so it never becomes a parameter.
+        cos, sin = rotary_cos_sin(positions, inverse_frequencies(self.rope, self.head_dim))
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            with jax.named_scope(f"layer_{layer.self_attn.layer}"):
+                x, cache = layer(x, cos, sin, positions, cache)
+        return self.norm(x), cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The full causal LM. `__call__` returns final hidden states; `logits` projects only the rows asked for."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, init_std: float = 0.02):
+        rngs = rngs or nnx.Rngs(0)
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, init_std=init_std)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs, init_std=init_std
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[batch, tokens]
+        positions: jax.Array,  # i32[batch, tokens]
+        cache: DenseKVCache,
+    ) -> tuple[jax.Array, DenseKVCache]:  # f[batch, tokens, hidden], updated cache
+        return self.model(tokens, positions, cache)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:  # f32[..., vocab] from f[..., hidden]
+        weight = self.model.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
+        return jnp.einsum("...h,vh->...v", hidden, weight, preferred_element_type=jnp.float32)

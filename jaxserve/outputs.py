@@ -1,0 +1,38 @@
+"""Results of generation, shaped like vLLM's `RequestOutput` so evaluation scripts read them unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one candidate token at one position."""
+
+    logprob: float  # natural log of the model's probability (before temperature and filtering)
+    rank: int  # 1 for the most likely token
+    decoded_token: str  # the token's text on its own
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    """One generated continuation of a prompt."""
+
+    index: int  # which of the request's continuations this is
+    text: str  # detokenized output, stop string and stop tokens excluded
+    token_ids: tuple[int, ...]  # generated ids, including a stop token that ended generation
+    cumulative_logprob: float | None  # sum of the sampled tokens' log-probabilities when logprobs were asked for
+    logprobs: list[dict[int, Logprob]] | None  # per generated token: top-k candidates plus the sampled token
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string) or "length" (max_tokens or context end)
+    stop_reason: int | str | None  # the stop token id or stop string that matched; None for EOS and length
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """Everything returned for one prompt."""
+
+    request_id: str  # caller-visible id, in submission order
+    prompt: str | None  # the prompt text, when the prompt was given as text
+    prompt_token_ids: tuple[int, ...]  # the tokens the model saw, BOS included
+    outputs: list[CompletionOutput]  # the continuations (one for now)
+    finished: bool  # always True for offline results

@@ -1,0 +1,1 @@
+"""Runs the model on devices: the dense reference decoder now, the paged step later."""

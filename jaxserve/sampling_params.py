@@ -1,0 +1,67 @@
+"""`SamplingParams`: how one request is decoded, named and defaulted as in vLLM so evaluation scripts port over."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # OpenAI's cap on top log-probabilities per token
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one request; validated on creation."""
+
+    max_tokens: int = 16  # most tokens to generate
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
+    seed: int | None = None  # per-request RNG seed; same seed, same tokens
+    stop: tuple[str, ...] = ()  # strings that end generation; excluded from the text
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end generation besides EOS
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    logprobs: int | None = None  # return this many top log-probabilities per token (the sampled one always too)
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+
+    def __post_init__(self):
+        # Accept the list forms users write; store tuples so the object stays hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+                 f"temperature must be >= 0, got {self.temperature}")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
+                 f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 "stop_token_ids must be non-negative integers")
+        if self.logprobs is not None:
+            _require(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+                     f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is deterministic argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

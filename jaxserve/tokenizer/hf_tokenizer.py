@@ -1,0 +1,84 @@
+"""`HuggingFaceTokenizer`: a `tokenizer.json` (Llama 3 family) through the HF `tokenizers` library."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+
+from jaxserve.errors import TokenizerError
+from jaxserve.tokenizer.base import SpecialTokens, Tokenizer
+from jaxserve.tokenizer.chat_template import ChatTemplate
+from jaxserve.tokenizer.settings import TokenizerSettings
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A `tokenizer.json`, adding BOS/EOS exactly as transformers 5 does.
+
+    The file's post-processor alone decides (Llama 3's TemplateProcessing prepends <|begin_of_text|>):
+    transformers 5 drops tokenizer_config.json's `add_bos_token`/`add_eos_token` whenever a tokenizer.json exists.
+    """
+
+    def __init__(self, tokenizer_file: Path, settings: TokenizerSettings, chat_template: ChatTemplate | None = None):
+        self._backend = _load_backend(tokenizer_file)
+        # A tokenizer.json may carry training-time truncation or padding; prompts must come through whole.
+        self._backend.no_truncation()
+        self._backend.no_padding()
+        self._vocab_size = max(self._backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        special = self._resolve_special_tokens(settings, None, None, str(tokenizer_file))
+        self._mark_as_special(special)
+        self._special_ids = frozenset(
+            token_id for token_id, token in self._backend.get_added_tokens_decoder().items() if token.special
+        )
+        super().__init__(special, self._post_processor_adds(special.bos_token_id), chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        """Highest id in the vocabulary or among added tokens, plus one."""
+        return self._vocab_size
+
+    @property
+    def all_special_ids(self) -> frozenset[int]:
+        """Added tokens flagged special (for Llama 3 all 256 reserved ids), BOS and EOS included."""
+        return self._special_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; added-token spellings in `text` (e.g. "<|eot_id|>") become those tokens."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`, without transformers' `clean_up_tokenization_spaces` (transformers 5 skips it for BPE)."""
+        return self._backend.decode(self._ids_in_vocabulary(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of the vocabulary entry or added token spelled `token`."""
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Spelling of `token_id` in tokenizer.json ("Ġhello" in byte-level vocabularies)."""
+        return self._backend.id_to_token(token_id) if 0 <= token_id < self._vocab_size else None
+
+    def _mark_as_special(self, special: SpecialTokens) -> None:
+        """transformers registers the configured BOS/EOS as special added tokens; decoding then skips them."""
+        ids = [special.bos_token_id, *special.eos_token_ids]
+        special_now = {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        missing = [self._backend.id_to_token(i) for i in ids if i is not None and i not in special_now]
+        if missing:
+            self._backend.add_special_tokens(
+                [tokenizers.AddedToken(token, special=True, normalized=False) for token in dict.fromkeys(missing)]
+            )
+
+    def _post_processor_adds(self, token_id: int | None) -> bool:
+        """Whether encoding with special tokens starts with `token_id`, whatever post-processor produced it."""
+        if token_id is None:
+            return False
+        return self._backend.encode("", add_special_tokens=True).ids[:1] == [token_id]
+
+
+def _load_backend(tokenizer_file: Path) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # the Rust binding raises bare Exception for I/O and parse errors alike
+        raise TokenizerError(f"{tokenizer_file} is not a readable tokenizer.json: {e}") from None
+

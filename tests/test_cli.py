@@ -1,0 +1,56 @@
+"""The `jaxserve` command: it generates on the built-in model, and bad input is one line and exit code 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.errors import ConfigError
+from jaxserve.settings import load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _jaxserve(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "jaxserve.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_on_the_builtin_model():
+    result = _jaxserve("generate", "--config", "configs/tiny-cpu.yaml", "--prompt", "Hi", "--max-tokens", "5")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("'Hi' -> ") and "[5 tokens, length]" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["generate", "--dtype", "float7"], "unknown dtype"),
+    (["generate", "--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["generate", "--prompt", ""], "prompt is empty"),
+    (["generate", "--config", "/nonexistent.yaml"], "config file not found"),
+    (["convert", "/nonexistent/hf", "/tmp/out"], "/nonexistent/hf"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+    result = _jaxserve(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert result.stderr.startswith("jaxserve: error: ") and message in result.stderr
+
+
+def test_flags_override_the_preset():
+    settings = load_settings(REPO / "configs/tiny-cpu.yaml", {"max_num_seqs": 3, "dtype": None})
+    assert settings.max_num_seqs == 3 and settings.dtype == "float32" and settings.model is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_num_seq: 3\n", "unknown setting 'max_num_seq'"),
+    ("max_num_seqs: many\n", "wrong type"),
+    ("- a list\n", "mapping"),
+    ("key: [unclosed\n", "not valid YAML"),
+])
+def test_bad_presets_name_the_problem(tmp_path, text, message):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(preset, {})

@@ -1,0 +1,38 @@
+"""SamplingParams rejects out-of-range values with an error that names the parameter."""
+
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(seed=1.5), "seed"),
+    (dict(max_tokens=True), "max_tokens"),
+])
+def test_out_of_range_values_are_rejected(kwargs, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert param in str(info.value)
+
+
+def test_list_forms_are_accepted_and_frozen():
+    params = SamplingParams(stop=["a", "b"], stop_token_ids=[3])
+    assert params.stop == ("a", "b") and params.stop_token_ids == (3,)
+    assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_greedy_when_temperature_zero_or_top_k_one():
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(top_k=1).greedy
+    assert not SamplingParams(temperature=0.7).greedy

@@ -34,15 +34,19 @@ class Tokenizer(abc.ABC):
         self._add_bos_token = add_bos_token
         self._chat_template = chat_template
 
-    @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int:
-        """Number of ids the tokenizer can produce, added and special tokens included (highest id + 1)."""
+    # Backends set these two before calling Tokenizer.__init__ (special-token checks need the vocabulary size).
+    _vocab_size: int
+    _special_ids: frozenset[int]
 
     @property
-    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added and special tokens included (highest id + 1)."""
+        return self._vocab_size
+
+    @property
     def all_special_ids(self) -> frozenset[int]:
         """Ids that `decode(..., skip_special_tokens=True)` leaves out."""
+        return self._special_ids
 
     @abc.abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

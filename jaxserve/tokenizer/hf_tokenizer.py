@@ -33,16 +33,6 @@ class HuggingFaceTokenizer(Tokenizer):
         )
         super().__init__(special, self._post_processor_adds(special.bos_token_id), chat_template)
 
-    @property
-    def vocab_size(self) -> int:
-        """Highest id in the vocabulary or among added tokens, plus one."""
-        return self._vocab_size
-
-    @property
-    def all_special_ids(self) -> frozenset[int]:
-        """Added tokens flagged special (for Llama 3 all 256 reserved ids), BOS and EOS included."""
-        return self._special_ids
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; added-token spellings in `text` (e.g. "<|eot_id|>") become those tokens."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -33,16 +33,6 @@ class SentencePieceTokenizer(Tokenizer):
         super().__init__(special, add_bos and special.bos_token_id is not None, chat_template)
         self._eos_to_append = special.eos_token_ids[:1] if settings.add_eos_token else ()
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of pieces in the model."""
-        return self._vocab_size
-
-    @property
-    def all_special_ids(self) -> frozenset[int]:
-        """Control pieces (BOS, EOS, ...) and the unknown piece."""
-        return self._special_ids
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special token spellings inside `text` are encoded as plain characters."""
         ids = self._processor.encode(text)

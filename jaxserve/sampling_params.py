@@ -13,15 +13,23 @@ MAX_LOGPROBS = 20  # OpenAI's cap on top log-probabilities per token
 class SamplingParams:
     """Decoding settings of one request; validated on creation."""
 
+    n: int = 1  # continuations per prompt; they share the prompt's KV pages
     max_tokens: int = 16  # most tokens to generate
+    min_tokens: int = 0  # EOS and stop token ids are ignored until this many tokens exist
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
     seed: int | None = None  # per-request RNG seed; same seed, same tokens
     stop: tuple[str, ...] = ()  # strings that end generation; excluded from the text
     stop_token_ids: tuple[int, ...] = ()  # token ids that end generation besides EOS
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     logprobs: int | None = None  # return this many top log-probabilities per token (the sampled one always too)
+    prompt_logprobs: int | None = None  # log-probabilities of each prompt token (scoring), plus this many top ones
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
 
@@ -31,22 +39,36 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple((_as_token_id(t), b) for t, b in bias))
         self._validate()
 
     def _validate(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be >= 1, got {self.n}")
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
+                 f"min_tokens must be >= 0, got {self.min_tokens}")
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
                  f"temperature must be >= 0, got {self.temperature}")
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
                  f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
+        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _require(all(t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
+                 "logit_bias maps token ids >= 0 to biases in [-100, 100]")
         _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "stop_token_ids must be non-negative integers")
-        if self.logprobs is not None:
-            _require(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-                     f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                     f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +79,14 @@ class SamplingParams:
 def _require(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message, param=param)
+
+
+def _as_token_id(token) -> int:
+    """logit_bias keys arrive as ints offline and as strings from JSON."""
+    try:
+        return int(token)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias") from None
 
 
 def _is_int(value) -> bool:

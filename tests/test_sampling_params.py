@@ -36,3 +36,24 @@ def test_greedy_when_temperature_zero_or_top_k_one():
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(top_k=1).greedy
     assert not SamplingParams(temperature=0.7).greedy
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(n=0), "n"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias"),
+    (dict(logit_bias={5: 200.0}), "logit_bias"),
+    (dict(prompt_logprobs=50), "prompt_logprobs"),
+])
+def test_out_of_range_extended_values_are_rejected(kwargs, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_logit_bias_accepts_json_style_string_keys():
+    assert SamplingParams(logit_bias={"7": -1.5}).logit_bias == ((7, -1.5),)

@@ -40,9 +40,9 @@ if [ ! -x .venv/bin/python ]; then
   echo "bootstrap: creating .venv with $("$python" --version) ($python)"
   "$python" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet --quiet --upgrade pip
 echo "bootstrap: installing jaxserve${extras:+ with extras [$extras]} (first time takes a few minutes)"
-.venv/bin/python -m pip install --quiet -e "$spec"
+.venv/bin/python -m pip install --quiet --quiet -e "$spec"
 rm -f .venv/.installed-*
 touch ".venv/.installed-${stamp_id}"
 # A full install also satisfies a plain one.

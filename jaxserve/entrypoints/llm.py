@@ -71,7 +71,8 @@ class LLM:
             check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         budgets = [min(p.max_tokens, self.max_model_len - len(t.token_ids)) for t, p in zip(prompts, params)]
         sequences = [GeneratingSequence(self.tokenizer, t.token_ids, p, n) for t, p, n in zip(prompts, params, budgets)]
-        requests = [DecodeRequest(t.token_ids, p, n) for t, p, n in zip(prompts, params, budgets)]
+        requests = [DecodeRequest(t.token_ids, p, n, self.tokenizer.eos_token_ids)
+                    for t, p, n in zip(prompts, params, budgets)]
         with tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm) as bar:
             def on_token(index, token) -> bool:
                 sequence = sequences[index]

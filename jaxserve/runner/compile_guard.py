@@ -1,7 +1,7 @@
 """Counting XLA compilations, so that a compile after warm-up is caught (raised or logged) instead of stalling a step.
 
 JAX reports every backend compile through `jax.monitoring`; one listener per process forwards them to whichever
-guards are live. The listener is registered once because JAX offers no way to unregister it.
+guards are live, so guards (one per engine) come and go without touching JAX's global listener list.
 """
 
 from __future__ import annotations

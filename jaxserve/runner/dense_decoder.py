@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import DenseKVCache
-from jaxserve.runner.host_sampler import SampledToken, sample
+from jaxserve.runner.host_sampler import SampledToken, SamplingContext, sample
 from jaxserve.sampling_params import SamplingParams
 
 MIN_TOKEN_BUCKET = 16  # smallest padded prompt length
@@ -31,6 +31,7 @@ class DecodeRequest:
     prompt_ids: tuple[int, ...]  # tokens to prefill, BOS included
     params: SamplingParams  # how to pick each next token
     max_new_tokens: int  # hard cap on generated tokens (max_tokens already capped by the context)
+    eos_token_ids: tuple[int, ...] = ()  # the tokenizer's EOS ids: min_tokens holds them back (unless ignore_eos)
 
 
 # Called after every sampled token with (index in batch, token); returns True once that request is finished.
@@ -66,11 +67,14 @@ class DenseDecoder:
         logits, cache = self._forward(self.params, tokens, positions, last, cache)
         active = np.ones(len(requests), dtype=bool)
         next_tokens = np.zeros(batch, dtype=np.int32)
+        outputs: list[list[int]] = [[] for _ in requests]  # tokens sampled so far per request (penalties, min_tokens)
         while active.any():
             host_logits = np.asarray(logits)  # f32[batch, vocab]; the reference path may sync every step
             for i in np.flatnonzero(active):
-                token = sample(host_logits[i], requests[i].params, rngs[i])
+                context = SamplingContext(requests[i].prompt_ids, tuple(outputs[i]), requests[i].eos_token_ids)
+                token = sample(host_logits[i], requests[i].params, rngs[i], context)
                 next_tokens[i] = token.token_id
+                outputs[i].append(token.token_id)
                 lengths[i] += 1
                 done = on_token(int(i), token)
                 active[i] = not done and lengths[i] < cache_len

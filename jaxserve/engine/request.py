@@ -1,0 +1,123 @@
+"""`Request`: the scheduler's mutable view of one sequence being generated."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+
+from jaxserve.sampling_params import SamplingParams
+
+# Stands for a token sampled on device in the previous step whose id the host has not read back yet; the runner
+# substitutes the sampled id before the model sees it.
+PENDING_TOKEN = -1
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life; only RUNNING requests hold pages."""
+
+    WAITING = "waiting"  # queued, never scheduled
+    RUNNING = "running"  # holds pages; gets tokens to compute whenever it has some
+    PREEMPTED = "preempted"  # its pages were taken back; queued to recompute prompt and outputs
+    FINISHED = "finished"  # done or aborted; pages returned
+
+
+class Request:
+    """Tokens, progress and pages of one sequence: computed tokens catch up with known tokens, step by step.
+
+    Token regions, left to right::
+
+        | prompt | outputs read back | pending outputs |
+        |<------ known tokens ------>|
+        |<------------------- num_tokens ------------->|
+        |<-- num_computed_tokens -->|   (anywhere up to num_tokens)
+
+    Pending outputs are sampled on device but not yet read back (async scheduling); they sit in `output_token_ids`
+    as PENDING_TOKEN until `resolve_pending_token` fills them in, oldest first.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 arrival_index: int, max_new_tokens: int | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.params = params
+        self.arrival_index = arrival_index  # FCFS priority: lower arrived earlier
+        # The engine may cap params.max_tokens to the context left; this is the number actually generated at most.
+        self.max_new_tokens = params.max_tokens if max_new_tokens is None else max_new_tokens
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.page_ids: list[int] = []  # block table: page i holds positions [i * page_size, (i + 1) * page_size)
+        self.page_keys: list[int] = []  # prefix-cache key of each leading full page whose content is registered
+        self.num_prefix_hit_tokens = 0  # tokens found in the prefix cache at the latest admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self._token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus outputs, pending ones included."""
+        return len(self._token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows."""
+        return len(self._token_ids) - self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens that still need a forward pass; none once the last allowed output is sampled."""
+        if self.num_output_tokens >= self.max_new_tokens:
+            return 0
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, stop: int) -> tuple[int, ...]:
+        """Tokens at positions [start, stop), PENDING_TOKEN where the id is not read back yet."""
+        return tuple(self._token_ids[start:stop])
+
+    def full_pages(self, page_size: int, count: int) -> Iterator[tuple[int, ...]]:
+        """The tokens of the first `count` pages, one tuple per page, produced lazily."""
+        for index in range(count):
+            yield tuple(self._token_ids[index * page_size:(index + 1) * page_size])
+
+    def append_pending_token(self) -> None:
+        self._token_ids.append(PENDING_TOKEN)
+        self.output_token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_pending_token(self, token_id: int) -> None:
+        """Replaces the oldest pending output by the id sampled for it."""
+        if self.num_pending_tokens == 0:
+            raise RuntimeError(f"request {self.request_id!r} has no pending token to resolve")
+        position = self.num_tokens - self.num_pending_tokens
+        self._token_ids[position] = token_id
+        self.output_token_ids[position - self.num_prompt_tokens] = token_id
+        self.num_pending_tokens -= 1
+
+    def reset_for_recompute(self) -> None:
+        """Forgets computed state after preemption; prompt and outputs stay, to be computed again."""
+        self.num_computed_tokens = 0
+        self.page_ids.clear()
+        self.page_keys.clear()
+        self.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens}, pages={len(self.page_ids)})")

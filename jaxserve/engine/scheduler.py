@@ -1,0 +1,308 @@
+"""`Scheduler`: decides, each step, which tokens of which requests the runner computes.
+
+There are no prefill and decode phases (vLLM v1's rule). A request knows `num_tokens` (prompt plus outputs so far)
+and `num_computed_tokens`; each step hands out tokens so that computed catches up with known, and one ragged batch
+mixes decode tokens and prefill chunks under a token budget and a sequence cap.
+
+Queue policy, first come first served by arrival:
+
+- Running requests are served first, oldest arrival first.
+- Waiting requests are admitted in order with head-of-line blocking: when the head does not fit (tokens, pages or
+  sequence cap), nothing behind it is admitted. A request therefore only ever waits for requests that arrived
+  before it, which bounds starvation.
+- When pages run out, the newest running request is preempted by recompute: its pages go back, its computed count
+  drops to zero and it goes to the front of the waiting queue with its outputs kept. Admission guarantees that any
+  request fits the pool alone, so the oldest running request can always proceed: no deadlock. No request is admitted
+  in a step that preempted one, since the pool is short.
+
+Async overlap: the engine may call `schedule()` for step N+1 before `update_from_output()` of step N, so progress is
+booked at schedule time. A chunk that reaches the end of its request's tokens samples, which appends a pending token;
+the next step can already feed it as PENDING_TOKEN, and the runner substitutes the id it sampled on device. At most
+one step may be in flight when `schedule()` is called, which keeps "pending" meaning "sampled in the previous step".
+
+Prefix caching: full pages whose tokens are known are registered when the step that computes them is scheduled, but
+only after the whole batch is built, so a page becomes reusable from the next step on: device order guarantees the
+step that writes it runs before any step that reads it, and no kernel has to read a page written in the same batch.
+Requests submitted together (e.g. the n continuations of one prompt) share pages only once a first step has computed
+them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import deque
+from collections.abc import Mapping
+
+from jaxserve.engine.page_pool import ROOT_KEY, PagePool, PrefixMatch
+from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
+from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
+from jaxserve.errors import ConfigError, InvalidRequestError
+
+__all__ = ["PENDING_TOKEN", "Scheduler", "SchedulerConfig", "ScheduledSequence", "SchedulerOutput", "SchedulerStats"]
+
+_NO_PREFIX = PrefixMatch()
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Capacity limits of the scheduler; validated on creation."""
+
+    max_num_seqs: int  # most sequences running at once, hence in one step's batch
+    max_num_batched_tokens: int  # most tokens computed in one step, decode tokens and prefill chunks together
+    max_model_len: int  # most tokens, prompt plus outputs, in one sequence
+    page_size: int  # tokens per KV page; a power of two
+    num_pages: int  # pages in the KV pool, the reserved null page 0 included
+    enable_prefix_caching: bool = True  # reuse computed full pages of identical prefixes across requests
+    enable_chunked_prefill: bool = True  # split long prompts across steps; off: a prompt is computed whole or waits
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages < 2:
+            raise ConfigError(f"num_pages must leave at least one page beside the null page, got {self.num_pages}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Otherwise a long prompt could never be scheduled whole.
+            raise ConfigError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                              f"must be at least max_model_len ({self.max_model_len})")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Block table width: pages covering the longest sequence."""
+        return -(-self.max_model_len // self.page_size)
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """The batch being built by one schedule() call."""
+
+    token_budget: int
+    sequences: list[ScheduledSequence] = dataclasses.field(default_factory=list)
+    preempted_ids: list[str] = dataclasses.field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and turns them into one batch per step; pages come from `pool`."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.pool = PagePool(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # kept sorted by arrival_index
+        self._next_step = 0
+        self._steps_in_flight: set[int] = set()
+        self._finished_ids: list[str] = []
+        self._num_preemptions = 0
+        self._num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request; raises InvalidRequestError, changing nothing, if it could never run."""
+        self._check_admissible(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live request with this id; None once finished or aborted."""
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def schedule(self) -> SchedulerOutput:
+        if len(self._steps_in_flight) > 1:
+            raise RuntimeError(f"steps {sorted(self._steps_in_flight)} await update_from_output(); "
+                               "at most one step may be in flight when scheduling the next")
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_ids:
+            self._admit_waiting(plan)
+        for scheduled in plan.sequences:
+            self._register_full_pages(self._requests[scheduled.request_id])
+        return self._emit(plan)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
+        """Fills in the tokens sampled in `output`'s step; results of requests finished meanwhile are dropped."""
+        self._steps_in_flight.discard(output.step)
+        for scheduled in output.sequences:
+            request = self._requests.get(scheduled.request_id)
+            if not scheduled.samples or request is None or request.num_pending_tokens == 0:
+                continue
+            request.resolve_pending_token(sampled[scheduled.request_id])
+            # A preempted request keeps this token (it was sampled from intact pages) but holds no pages to register.
+            self._register_full_pages(request)
+
+    def finish_request(self, request_id: str, reason: str) -> None:
+        """Ends a request wherever it is and returns its pages at once; unknown or finished ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self._release_pages(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._finished_ids.append(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self.finish_request(request_id, "abort")
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_pages_used=self.pool.num_used,
+            num_pages_free=self.pool.num_free,
+            num_pages_cached=self.pool.num_cached,
+            num_preemptions=self._num_preemptions,
+            prefix_queried_tokens=self.pool.prefix_queried_tokens,
+            prefix_hit_tokens=self.pool.prefix_hit_tokens,
+            num_steps=self._num_steps,
+        )
+
+    def _check_admissible(self, request: Request) -> None:
+        prompt_len, limit = request.num_prompt_tokens, self.config.max_model_len
+        usable_pages = self.config.num_pages - 1
+        if prompt_len == 0:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        if prompt_len >= limit:
+            raise InvalidRequestError(f"the prompt has {prompt_len} tokens but the maximum context length is {limit} "
+                                      "tokens, including at least one generated token", param="prompt")
+        if prompt_len + request.max_new_tokens > limit:
+            raise InvalidRequestError(f"the prompt ({prompt_len} tokens) plus max_tokens ({request.max_new_tokens}) "
+                                      f"exceeds the maximum context length of {limit} tokens", param="max_tokens")
+        if self._pages_for(prompt_len) > usable_pages:
+            raise InvalidRequestError(f"the prompt needs {self._pages_for(prompt_len)} KV pages but the pool has "
+                                      f"{usable_pages}", param="prompt")
+        # The last sampled token is never fed back, so it needs no KV slot.
+        needed = self._pages_for(prompt_len + request.max_new_tokens - 1)
+        if needed > usable_pages:
+            raise InvalidRequestError(f"the prompt plus max_tokens needs {needed} KV pages but the pool has "
+                                      f"{usable_pages}; lower max_tokens", param="max_tokens")
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self._running) and plan.token_budget > 0:
+            request = self._running[index]
+            num_new = self._chunk_size(request.num_tokens_to_compute, plan.token_budget)
+            if num_new:
+                if not self._make_room(request, request.num_computed_tokens + num_new, plan):
+                    return
+                self._schedule_chunk(request, num_new, plan)
+            index += 1
+
+    def _make_room(self, request: Request, num_tokens: int, plan: _StepPlan) -> bool:
+        """Preempts the newest running requests until `request` can hold `num_tokens`; False if it went itself."""
+        while self._pages_for(num_tokens) - len(request.page_ids) > self.pool.num_allocatable:
+            victim = self._running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        while self._waiting and plan.token_budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            if request.num_tokens_to_compute == 0:
+                break  # its last output is sampled; it waits only for finish_request
+            match = self._cached_prefix(request)
+            num_hit = match.num_pages * self.config.page_size
+            num_new = self._chunk_size(request.num_tokens_to_compute - num_hit, plan.token_budget)
+            new_pages = self._pages_for(num_hit + num_new) - match.num_pages
+            if not num_new or new_pages > self.pool.num_allocatable - self.pool.num_evictable(match.page_ids):
+                break
+            self._waiting.popleft()
+            self._start_running(request, match)
+            self._schedule_chunk(request, num_new, plan)
+
+    def _cached_prefix(self, request: Request) -> PrefixMatch:
+        """Cached pages of the request's leading known tokens, leaving at least its last known token to compute."""
+        if request.wants_prompt_logprobs:
+            return _NO_PREFIX  # every prompt token must be computed to score it
+        max_pages = (request.num_known_tokens - 1) // self.config.page_size
+        pages = request.full_pages(self.config.page_size, max_pages)
+        return self.pool.match_prefix(pages, num_queried_tokens=request.num_known_tokens)
+
+    def _start_running(self, request: Request, match: PrefixMatch) -> None:
+        self.pool.acquire_prefix(match)
+        request.page_ids = list(match.page_ids)
+        request.page_keys = list(match.keys)
+        request.num_computed_tokens = request.num_prefix_hit_tokens = match.num_pages * self.config.page_size
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=lambda r: r.arrival_index)
+
+    def _chunk_size(self, num_remaining: int, token_budget: int) -> int:
+        if num_remaining > token_budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_remaining, token_budget)
+
+    def _schedule_chunk(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        start = request.num_computed_tokens
+        stop = start + num_new
+        missing_pages = self._pages_for(stop) - len(request.page_ids)
+        if missing_pages > 0:
+            request.page_ids.extend(self.pool.allocate(missing_pages))
+        request.num_computed_tokens = stop
+        samples = stop == request.num_tokens
+        plan.sequences.append(ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.token_ids(start, stop),
+            start_position=start,
+            page_ids=tuple(request.page_ids),
+            samples=samples,
+            # Logits at position p score prompt token p + 1; the last prompt position's logits are the sample's.
+            wants_prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
+        ))
+        if samples:
+            request.append_pending_token()
+        plan.token_budget -= num_new
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self._running.remove(request)
+        self._release_pages(request)
+        request.reset_for_recompute()
+        self._waiting.appendleft(request)
+        plan.preempted_ids.append(request.request_id)
+        self._num_preemptions += 1
+
+    def _register_full_pages(self, request: Request) -> None:
+        """Offers the request's computed full pages of known tokens to the prefix cache, each once."""
+        if not self.config.enable_prefix_caching:
+            return
+        page_size = self.config.page_size
+        num_full = min(request.num_computed_tokens, request.num_known_tokens) // page_size
+        for index in range(len(request.page_keys), num_full):
+            parent = request.page_keys[-1] if request.page_keys else ROOT_KEY
+            tokens = request.token_ids(index * page_size, (index + 1) * page_size)
+            request.page_keys.append(self.pool.register(request.page_ids[index], parent, tokens))
+
+    def _release_pages(self, request: Request) -> None:
+        self.pool.release(reversed(request.page_ids))
+        request.page_ids.clear()
+        request.page_keys.clear()
+
+    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+        output = SchedulerOutput(
+            step=self._next_step,
+            sequences=tuple(plan.sequences),
+            num_batched_tokens=sum(s.num_tokens for s in plan.sequences),
+            preempted_ids=tuple(plan.preempted_ids),
+            finished_ids=tuple(self._finished_ids),
+        )
+        self._next_step += 1
+        self._finished_ids.clear()
+        if plan.sequences:
+            self._steps_in_flight.add(output.step)
+            self._num_steps += 1
+        return output
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.page_size)

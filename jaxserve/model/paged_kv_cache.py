@@ -1,0 +1,266 @@
+"""The paged KV cache of the continuous-batching engine: a fixed pool of pages, written and read inside the step.
+
+Each step flattens its tokens into one ragged batch of T tokens (prefill chunks and decode tokens of many sequences,
+concatenated, padded to a bucket). `PagedAttentionMetadata` tells the step where each token's K/V goes and which
+pages each sequence reads. The pool is donated state: it enters the jitted step, each layer scatters this step's K/V
+into it (in place, since the buffer is donated) and attends over it, and the updated pool comes back out.
+
+Page 0 is the null page: it stays all-zero, padded block-table entries point at it, and padding tokens never write
+into it (their slot is out of range and the scatter drops it). Freed pages keep whatever they held; attention masks
+every slot a query may not see, and masks V with `where` (not a multiply) so stale or NaN slots never reach an
+output.
+
+Attention sits behind `PagedAttentionFn`; the cache's static `attention_backend` names which implementation runs,
+so swapping in a kernel is a change of one string that jit sees as part of the cache's tree structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+NULL_PAGE = 0  # the all-zero page: padded block-table entries point at it; no sequence owns it
+PADDING_SLOT = -1  # slot_mapping value of padding tokens; mapped past the pool's end so their writes are dropped
+XLA_BACKEND = "xla"  # the plain-jnp reference attention below
+# Query-key pairs per block of the reference's page loop: bounds its gathered K/V to this many slots per KV head.
+QUERY_KEY_PAIRS_PER_BLOCK = 1 << 15
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionMetadata:
+    """Where this step's tokens write their K/V and what each of them reads, for T tokens of S sequence rows.
+
+    Tokens of one sequence are contiguous in the flattened batch and sorted by position. Padding tokens (bucket
+    fill) point at a padding sequence row whose `seq_lens` is 0 and whose block table is all null page, so they see
+    nothing and attend to zeros. The query positions are not here: the model passes them to every layer anyway.
+    """
+
+    slot_mapping: jax.Array  # i32[T]: page * page_size + offset receiving the token's K/V; PADDING_SLOT for padding
+    token_seq: jax.Array  # i32[T]: row of the token's sequence in block_tables / seq_lens
+    block_tables: jax.Array  # i32[S, max_pages]: the sequence's pages in order; unused entries are 0 (null page)
+    seq_lens: jax.Array  # i32[S]: tokens in the cache for the sequence after this step's writes; 0 for padding rows
+
+
+class PagedAttentionFn(Protocol):
+    """The attention interface the cache calls and kernels implement.
+
+    Each query attends causally over its own sequence's cached tokens 0..its position (earlier chunks' K/V and
+    this step's, already written), grouping query heads over KV heads. A token whose sequence row has length 0
+    (padding) gets zeros.
+    """
+
+    def __call__(
+        self,
+        q: jax.Array,  # f[T, heads, head_dim], already rotated
+        k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+        v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+        metadata: PagedAttentionMetadata,
+        positions: jax.Array,  # i32[T]
+        scale: float,
+    ) -> jax.Array:  # f[T, heads, head_dim]
+        ...
+
+
+def paged_attention_reference(
+    q: jax.Array,  # f[T, heads, head_dim], already rotated
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    metadata: PagedAttentionMetadata,
+    positions: jax.Array,  # i32[T]
+    scale: float,
+    *,
+    pages_per_block: int | None = None,
+) -> jax.Array:  # f[T, heads, head_dim]
+    """Plain-XLA paged attention: a loop over blocks of each token's pages with an online (flash) softmax.
+
+    Block j holds pages j*pages_per_block.. of every token's sequence; the token's K/V for that block are gathered
+    ([kv_heads, T, block_slots, head_dim]), scored, masked, and folded into a running max, sum and weighted value
+    sum kept in float32. The loop runs only as many blocks as the longest visible context needs, so a short batch
+    does not pay for the block table's full width.
+
+    Memory: per block, the gathered K and V (each T * block_slots * kv_heads * head_dim elements) and float32
+    scores (T * heads * block_slots); plus the float32 state T * heads * (head_dim + 2). Nothing scales with the
+    whole context: `pages_per_block` defaults to keep T * block_slots at most QUERY_KEY_PAIRS_PER_BLOCK (but at
+    least one page), e.g. 64 MiB each for K and V of Llama-3-8B (8 KV heads of 128, bfloat16) whether T is 64 or
+    512. Gathering per token re-reads a prefill chunk's shared context once per query (T * context * kv_heads *
+    head_dim traffic); a kernel avoids that, this reference trades it for simplicity.
+    """
+    tokens, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    pages_per_block = pages_per_block or _default_pages_per_block(tokens, page_size, metadata.block_tables.shape[1])
+    block_slots = pages_per_block * page_size
+    token_pages = _pad_columns(metadata.block_tables, pages_per_block)[metadata.token_seq]  # i32[T, padded_pages]
+    # A query sees slots 0..its position, and never past its sequence's length (padding rows have length 0).
+    visible_len = jnp.minimum(positions + 1, metadata.seq_lens[metadata.token_seq])  # i32[T]
+    grouped_q = q.reshape(tokens, kv_heads, heads // kv_heads, head_dim)  # f[T, kv_heads, group, head_dim]
+
+    def fold_block(block, state):
+        pages = jax.lax.dynamic_slice_in_dim(token_pages, block * pages_per_block, pages_per_block, axis=1)
+        keys = _gather_slots(k_pages, pages)  # f[kv_heads, T, block_slots, head_dim]
+        values = _gather_slots(v_pages, pages)  # f[kv_heads, T, block_slots, head_dim]
+        slots = block * block_slots + jnp.arange(block_slots)  # i32[block_slots]
+        visible = slots[None, :] < visible_len[:, None]  # bool[T, block_slots]
+        return _online_softmax_step(state, grouped_q, keys, values, visible, scale)
+
+    num_blocks = -(-jnp.max(visible_len, initial=0) // block_slots)  # i32[]
+    state = _empty_softmax_state(tokens, kv_heads, heads // kv_heads, head_dim)
+    _, total, weighted = jax.lax.fori_loop(0, num_blocks, fold_block, state)
+    # A query that saw nothing has total 0 and weighted 0; divide by 1 instead so it yields zeros, not NaN.
+    out = weighted / jnp.where(total > 0, total, 1.0)[..., None]  # f32[T, kv_heads, group, head_dim]
+    return out.reshape(tokens, heads, head_dim).astype(q.dtype)
+
+
+def _default_pages_per_block(tokens: int, page_size: int, max_pages: int) -> int:
+    return max(1, min(max_pages, QUERY_KEY_PAIRS_PER_BLOCK // (tokens * page_size)))
+
+
+def _pad_columns(block_tables: jax.Array, multiple: int) -> jax.Array:  # i32[S, max_pages rounded up to multiple]
+    """Null-page columns so every block of the loop is a full, in-bounds slice."""
+    return jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % multiple)))
+
+
+def _gather_slots(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """f[kv_heads, T, n * page_size, head_dim] from pool f[kv_heads, num_pages, page_size, head_dim], ids i32[T, n]."""
+    kv_heads, _, page_size, head_dim = pages.shape
+    tokens, n = page_ids.shape
+    return pages[:, page_ids].reshape(kv_heads, tokens, n * page_size, head_dim)
+
+
+def _empty_softmax_state(tokens: int, kv_heads: int, group: int, head_dim: int):
+    """(running max f32[T, kv_heads, group], running sum f32[...], weighted values f32[..., head_dim])."""
+    shape = (tokens, kv_heads, group)
+    return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32))
+
+
+def _online_softmax_step(
+    state,  # running max f32[T, kv_heads, group], sum f32[T, kv_heads, group], weighted f32[T, kv_heads, group, D]
+    grouped_q: jax.Array,  # f[T, kv_heads, group, head_dim]
+    keys: jax.Array,  # f[kv_heads, T, block_slots, head_dim]
+    values: jax.Array,  # f[kv_heads, T, block_slots, head_dim]
+    visible: jax.Array,  # bool[T, block_slots]
+    scale: float,
+):
+    """Folds one block of slots into the running softmax; masked slots contribute nothing, whatever they hold."""
+    running_max, total, weighted = state
+    scores = jnp.einsum("tkgd,ktsd->tkgs", grouped_q, keys, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)  # f32[T, kv_heads, group, block_slots]
+    new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+    # Until a query has seen a slot its max is -inf; shifting by 0 then keeps exp(-inf - shift) = 0, not NaN.
+    shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    probs = jnp.exp(scores - shift[..., None])
+    rescale = jnp.exp(running_max - shift)
+    # where, not a multiply by the mask: a masked slot may hold NaN, and 0 * NaN would poison the row.
+    values = jnp.where(visible[None, :, :, None], values, jnp.zeros((), values.dtype))
+    block_weighted = jnp.einsum("tkgs,ktsd->tkgd", probs.astype(values.dtype), values,
+                                preferred_element_type=jnp.float32)
+    return (new_max, total * rescale + jnp.sum(probs, axis=-1), weighted * rescale[..., None] + block_weighted)
+
+
+ATTENTION_BACKENDS: types.MappingProxyType[str, PagedAttentionFn] = types.MappingProxyType({
+    XLA_BACKEND: paged_attention_reference,
+})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """The page pool (one K and one V array per layer), plus the current step's metadata.
+
+    Layout f[kv_heads, num_pages, page_size, head_dim]: KV heads lead so tensor parallelism shards the pool on its
+    first axis, and one (head, page) is a contiguous [page_size, head_dim] tile, the unit a GPU kernel copies per
+    page (the layout of JAX's Pallas GPU paged attention). A token's write touches kv_heads rows of head_dim,
+    which costs the scatter nothing.
+
+    The pool without metadata (`metadata=None`) is the state the runner keeps and donates; inside the jitted step
+    it attaches that step's metadata with `with_metadata` and strips it from the result with `without_metadata`,
+    so the metadata is an ordinary (non-donated) input.
+    """
+
+    k_pages: tuple[jax.Array, ...]  # per layer f[kv_heads, num_pages, page_size, head_dim]
+    v_pages: tuple[jax.Array, ...]  # per layer f[kv_heads, num_pages, page_size, head_dim]
+    metadata: PagedAttentionMetadata | None = None  # this step's batch layout; None outside the step
+    # Which ATTENTION_BACKENDS entry attends. Static: part of the tree structure, so jit keys its cache on it.
+    attention_backend: str = dataclasses.field(default=XLA_BACKEND, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention_backend!r} "
+                             f"(choose from {', '.join(ATTENTION_BACKENDS)})")
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,
+              attention_backend: str = XLA_BACKEND) -> PagedKVCache:
+        """A zero-filled pool (zeros, not jnp.empty: the null page must be zero and stale memory must not leak)."""
+        shape = (kv_heads, num_pages, page_size, head_dim)
+        return cls(
+            k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            attention_backend=attention_backend,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages[0].shape[2]
+
+    def with_metadata(self, metadata: PagedAttentionMetadata) -> PagedKVCache:
+        return dataclasses.replace(self, metadata=metadata)
+
+    def without_metadata(self) -> PagedKVCache:
+        return dataclasses.replace(self, metadata=None)
+
+    def update_and_attend(
+        self,
+        layer: int,
+        q: jax.Array,  # f[1, T, heads, head_dim], already rotated
+        k: jax.Array,  # f[1, T, kv_heads, head_dim], already rotated
+        v: jax.Array,  # f[1, T, kv_heads, head_dim]
+        positions: jax.Array,  # i32[1, T]
+        scale: float,
+    ) -> tuple[jax.Array, PagedKVCache]:  # f[1, T, heads, head_dim], updated cache
+        """Scatter this step's K/V into the pool at slot_mapping, then attend over the updated pool.
+
+        The batch dimension must be 1: the engine's tokens are one flattened ragged batch.
+        """
+        if self.metadata is None:
+            raise ValueError("PagedKVCache has no metadata: attach the step's batch layout with with_metadata()")
+        if q.shape[0] != 1:
+            raise ValueError(f"the paged cache takes one flattened batch (batch dim 1), got batch {q.shape[0]}")
+        slots = self.metadata.slot_mapping
+        new_k = write_slots(self.k_pages[layer], k[0], slots)
+        new_v = write_slots(self.v_pages[layer], v[0], slots)
+        attend = ATTENTION_BACKENDS[self.attention_backend]
+        out = attend(q[0], new_k, new_v, self.metadata, positions[0], scale)
+        cache = dataclasses.replace(
+            self,
+            k_pages=tuple(new_k if i == layer else pages for i, pages in enumerate(self.k_pages)),
+            v_pages=tuple(new_v if i == layer else pages for i, pages in enumerate(self.v_pages)),
+        )
+        return out[None], cache
+
+
+def write_slots(
+    pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    new: jax.Array,  # f[T, kv_heads, head_dim]
+    slot_mapping: jax.Array,  # i32[T]
+) -> jax.Array:  # f[kv_heads, num_pages, page_size, head_dim]
+    """The pool with token t's K (or V) at flat slot slot_mapping[t]; padding tokens (negative slots) are dropped.
+
+    jnp would wrap a negative index to the pool's end, so negative slots are moved past the end first, where the
+    scatter's drop mode discards them. The reshapes are bitcasts, so a donated pool is updated in place.
+    """
+    kv_heads, num_pages, page_size, head_dim = pages.shape
+    capacity = num_pages * page_size
+    slots = jnp.where(slot_mapping >= 0, slot_mapping, capacity)  # i32[T]
+    flat = pages.reshape(kv_heads, capacity, head_dim)
+    flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
+    return flat.reshape(pages.shape)

@@ -1,0 +1,269 @@
+"""Token sampling on device: one function, jitted by its caller, picks the next token of every row of a batch.
+
+Per-request settings travel as arrays with one row per sequence (`SamplingTensors`, built on the host in numpy), so
+one compiled program serves any mix of requests. The rules and their order are those of the numpy reference in
+`host_sampler.py` (vLLM v1's order): raw log-probabilities first; min_tokens masks and logit_bias; repetition,
+frequency and presence penalties; argmax for greedy rows; otherwise temperature, min_p, top-k, top-p and one draw.
+
+Two parts are optional and switched statically by being None, which changes the pytree and so picks another
+compiled variant: penalties (they ship a token history per row and scatter it into vocabulary-wide counts) and
+truncation (top-k/top-p/min-p need a sort of every row). A batch that uses neither pays for neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyTensors:
+    """Repetition, frequency and presence penalties of every row."""
+
+    history_ids: jax.Array  # i32[S, L]: each row's prompt then output ids, -1 padding
+    history_is_output: jax.Array  # bool[S, L]: which history entries were generated (frequency/presence count these)
+    repetition: jax.Array  # f32[S]: 1 leaves logits alone
+    frequency: jax.Array  # f32[S]: subtracted per generated occurrence
+    presence: jax.Array  # f32[S]: subtracted once per generated token
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TruncationTensors:
+    """Which tokens a non-greedy row may draw from."""
+
+    top_k: jax.Array  # i32[S]: 0 keeps every token
+    top_p: jax.Array  # f32[S]: 1 keeps every token
+    min_p: jax.Array  # f32[S]: 0 keeps every token
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Every row's sampling settings; rows past the real ones are padding (greedy, no bias)."""
+
+    greedy: jax.Array  # bool[S]: argmax after biases and penalties
+    temperature: jax.Array  # f32[S]: 1 on greedy rows, where it is unused
+    seeds: jax.Array  # u32[S]: the row's draw seed, reduced to 32 bits as jax.random.key does
+    steps: jax.Array  # i32[S]: folded into the row's key, so each step draws afresh
+    bias_ids: jax.Array  # i32[S, B]: logit_bias token ids, -1 padding
+    bias_values: jax.Array  # f32[S, B]: the bias added to each of bias_ids
+    stop_ids: jax.Array  # i32[S, E]: EOS and stop token ids, -1 padding
+    block_stop_ids: jax.Array  # bool[S]: fewer than min_tokens generated, so stop_ids are masked
+    penalties: PenaltyTensors | None  # None: no row uses a penalty
+    truncation: TruncationTensors | None  # None: no non-greedy row uses top-k, top-p or min-p
+
+    @property
+    def num_rows(self) -> int:
+        return self.greedy.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """The sampled tokens with their log-probabilities, taken from the raw logits."""
+
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]: log-probability of each sampled token
+    ranks: jax.Array  # i32[S]: 1 + how many tokens were more likely
+    top_ids: jax.Array  # i32[S, K]: the K most likely tokens, ties lowest id first
+    top_logprobs: jax.Array  # f32[S, K]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """What the host knows of one row when it builds the batch's tensors."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]  # the prompt (repetition penalty)
+    output_ids: Sequence[int]  # tokens generated so far (penalties, min_tokens)
+    eos_token_ids: Sequence[int]  # the tokenizer's EOS ids; min_tokens masks them unless ignore_eos
+    seed: int  # the request's seed, or one the engine drew for it
+    step: int  # distinct per draw of the row, e.g. how many tokens it has generated
+
+
+def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = None, *, bias_width: int | None = None,
+                           stop_width: int | None = None, history_width: int | None = None,
+                           include_penalties: bool | None = None,
+                           include_truncation: bool | None = None) -> SamplingTensors:
+    """Numpy tensors for `rows`, padded to num_rows (default len(rows)).
+
+    A width left None is the smallest power of two that fits; pass fixed widths to keep shapes, and so compiled
+    programs, the same across steps. include_* None means "only if some row needs it".
+    """
+    num_rows = len(rows) if num_rows is None else num_rows
+    if num_rows < len(rows):
+        raise ValueError(f"{len(rows)} rows do not fit in {num_rows}")
+    pad = num_rows - len(rows)
+    greedy = np.array([r.params.greedy for r in rows] + [True] * pad)
+    temperature = [1.0 if r.params.greedy else r.params.temperature for r in rows]
+    biases = [dict(r.params.logit_bias) for r in rows]  # a repeated id keeps its last bias, as in a JSON object
+    stops = [_ids_blocked_by_min_tokens(r.params, r.eos_token_ids) for r in rows]
+    bias_width = _width(max(map(len, biases), default=0), bias_width, "bias_width")
+    stop_width = _width(max(map(len, stops), default=0), stop_width, "stop_width")
+    if include_penalties is None:
+        include_penalties = any(_uses_penalties(r.params) for r in rows)
+    if include_truncation is None:
+        include_truncation = any(_uses_truncation(r.params) for r in rows if not r.params.greedy)
+    return SamplingTensors(
+        greedy=greedy,
+        temperature=np.array(temperature + [1.0] * pad, np.float32),
+        seeds=np.array([r.seed % 2**32 for r in rows] + [0] * pad, np.uint32),
+        steps=np.array([r.step for r in rows] + [0] * pad, np.int32),
+        bias_ids=_padded([list(b) for b in biases], num_rows, bias_width, -1, np.int32),
+        bias_values=_padded([list(b.values()) for b in biases], num_rows, bias_width, 0.0, np.float32),
+        stop_ids=_padded(stops, num_rows, stop_width, -1, np.int32),
+        block_stop_ids=np.array([len(r.output_ids) < r.params.min_tokens for r in rows] + [False] * pad),
+        penalties=_penalty_tensors(rows, num_rows, history_width) if include_penalties else None,
+        truncation=_truncation_tensors(rows, num_rows) if include_truncation else None,
+    )
+
+
+def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -> SamplerOutput:
+    """Picks one token per row of logits f32[S, V]; num_top_logprobs (K) is static."""
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]: reported before anything changes the logits
+    processed = _apply_logit_bias(_apply_min_tokens(logits, tensors), tensors)  # f32[S, V]
+    if tensors.penalties is not None:
+        processed = _apply_penalties(processed, tensors.penalties)
+    token_ids = jnp.where(tensors.greedy, jnp.argmax(processed, axis=-1), _draw(processed, tensors))  # i32[S]
+    return _report(raw_logprobs, token_ids.astype(jnp.int32), num_top_logprobs)
+
+
+def _apply_min_tokens(logits: jax.Array, tensors: SamplingTensors) -> jax.Array:  # f32[S, V]
+    # min with +inf leaves a logit alone, min with -inf masks it: one scatter serves blocked and unblocked rows.
+    floor = jnp.where(tensors.block_stop_ids, -jnp.inf, jnp.inf)[:, None]  # f32[S, 1]
+    floors = jnp.broadcast_to(floor, tensors.stop_ids.shape)  # f32[S, E]
+    return logits.at[_row_index(tensors.stop_ids), _droppable(tensors.stop_ids, logits)].min(floors, mode="drop")
+
+
+def _apply_logit_bias(logits: jax.Array, tensors: SamplingTensors) -> jax.Array:  # f32[S, V]
+    ids = _droppable(tensors.bias_ids, logits)  # i32[S, B]
+    return logits.at[_row_index(ids), ids].add(tensors.bias_values, mode="drop")
+
+
+def _apply_penalties(logits: jax.Array, penalties: PenaltyTensors) -> jax.Array:  # f32[S, V]
+    ids = _droppable(penalties.history_ids, logits)  # i32[S, L]
+    rows = _row_index(ids)  # i32[S, L]
+    zeros = jnp.zeros_like(logits)  # f32[S, V]
+    seen = zeros.at[rows, ids].add(1.0, mode="drop") > 0  # bool[S, V]: in the prompt or the output
+    output_counts = zeros.at[rows, ids].add(penalties.history_is_output.astype(jnp.float32), mode="drop")  # f32[S, V]
+    repetition = penalties.repetition[:, None]  # f32[S, 1]
+    # HF/vLLM rule: a seen token's logit moves towards zero (positive divided, the rest multiplied).
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits = logits - penalties.frequency[:, None] * output_counts
+    return logits - penalties.presence[:, None] * (output_counts > 0)
+
+
+def _draw(processed: jax.Array, tensors: SamplingTensors) -> jax.Array:  # i32[S]
+    """A draw from softmax(processed / temperature) restricted by truncation, by the Gumbel-max trick.
+
+    Noise is drawn over the vocabulary in id order from the row's own key, so a seeded row's tokens do not depend on
+    its neighbours or its position in the batch.
+    """
+    scaled = processed / tensors.temperature[:, None]  # f32[S, V]
+    if tensors.truncation is not None:
+        scaled = _truncate(scaled, tensors.truncation)
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(tensors.seeds, tensors.steps)
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[1:], jnp.float32))(keys)  # f32[S, V]
+    return jnp.argmax(scaled + noise, axis=-1)
+
+
+def _truncate(scaled: jax.Array, truncation: TruncationTensors) -> jax.Array:  # f32[S, V], dropped tokens -inf
+    """min_p, then top-k, then top-p over what they kept, from one descending sort of each row.
+
+    Each rule keeps a prefix of the sorted row, so the result is a floor per row; tokens tied with the floor stay.
+    A full sort rather than `lax.top_k`: the nucleus of top-p (and min_p's cut) can reach any depth of the vocabulary.
+    """
+    vocab = scaled.shape[1]
+    descending = jnp.sort(scaled, axis=-1, descending=True)  # f32[S, V]
+    # prob >= min_p * max_prob, written on logits; log(0) = -inf keeps everything.
+    min_p_floor = descending[:, :1] + jnp.log(truncation.min_p)[:, None]  # f32[S, 1]
+    k = jnp.where(truncation.top_k > 0, jnp.minimum(truncation.top_k, vocab), vocab)  # i32[S]
+    top_k_floor = jnp.take_along_axis(descending, (k - 1)[:, None], axis=-1)  # f32[S, 1]
+    kept = descending >= jnp.maximum(min_p_floor, top_k_floor)  # bool[S, V]
+    probs = jax.nn.softmax(jnp.where(kept, descending, -jnp.inf), axis=-1)  # f32[S, V]
+    # vLLM's form of "join while the mass before is < top_p": the mass of a token and all less likely ones > 1 - top_p.
+    tail_mass = jnp.cumsum(probs[:, ::-1], axis=-1)[:, ::-1]  # f32[S, V]
+    nucleus_size = jnp.sum(kept & (tail_mass > 1 - truncation.top_p[:, None]), axis=-1)  # i32[S]
+    floor = jnp.take_along_axis(descending, (jnp.maximum(nucleus_size, 1) - 1)[:, None], axis=-1)  # f32[S, 1]
+    return jnp.where(scaled >= floor, scaled, -jnp.inf)
+
+
+def _report(raw_logprobs: jax.Array, token_ids: jax.Array, num_top: int) -> SamplerOutput:
+    token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)  # f32[S, 1]
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top)  # f32[S, K], i32[S, K]; ties: lowest id first
+    return SamplerOutput(
+        token_ids=token_ids,
+        logprobs=token_logprobs[:, 0],
+        ranks=(jnp.sum(raw_logprobs > token_logprobs, axis=-1) + 1).astype(jnp.int32),
+        top_ids=top_ids.astype(jnp.int32),
+        top_logprobs=top_logprobs,
+    )
+
+
+def _droppable(ids: jax.Array, logits: jax.Array) -> jax.Array:  # i32 like ids
+    """Padding (-1) becomes an out-of-range id, which scatters with mode="drop" ignore (a raw -1 would wrap)."""
+    return jnp.where(ids >= 0, ids, logits.shape[1])
+
+
+def _row_index(ids: jax.Array) -> jax.Array:  # i32 like ids: the row of each entry
+    return jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+
+
+def _ids_blocked_by_min_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+
+
+def _uses_truncation(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
+
+
+def _penalty_tensors(rows: Sequence[SamplingRow], num_rows: int, history_width: int | None) -> PenaltyTensors:
+    histories = [list(r.prompt_ids) + list(r.output_ids) for r in rows]
+    from_output = [[False] * len(r.prompt_ids) + [True] * len(r.output_ids) for r in rows]
+    width = _width(max(map(len, histories), default=0), history_width, "history_width")
+    pad = num_rows - len(rows)
+    return PenaltyTensors(
+        history_ids=_padded(histories, num_rows, width, -1, np.int32),
+        history_is_output=_padded(from_output, num_rows, width, False, np.bool_),
+        repetition=np.array([r.params.repetition_penalty for r in rows] + [1.0] * pad, np.float32),
+        frequency=np.array([r.params.frequency_penalty for r in rows] + [0.0] * pad, np.float32),
+        presence=np.array([r.params.presence_penalty for r in rows] + [0.0] * pad, np.float32),
+    )
+
+
+def _truncation_tensors(rows: Sequence[SamplingRow], num_rows: int) -> TruncationTensors:
+    pad = num_rows - len(rows)
+    return TruncationTensors(
+        top_k=np.array([max(r.params.top_k, 0) for r in rows] + [0] * pad, np.int32),
+        top_p=np.array([r.params.top_p for r in rows] + [1.0] * pad, np.float32),
+        min_p=np.array([r.params.min_p for r in rows] + [0.0] * pad, np.float32),
+    )
+
+
+def _width(needed: int, given: int | None, name: str) -> int:
+    """The given width, checked, or else the smallest power of two >= needed (at least 1)."""
+    if given is None:
+        return 1 << max(needed - 1, 0).bit_length()
+    if given < needed:
+        raise ValueError(f"{name}={given} is smaller than the {needed} entries a row needs")
+    return given
+
+
+def _padded(lists: Sequence[Sequence], num_rows: int, width: int, fill, dtype) -> np.ndarray:  # dtype[num_rows, width]
+    out = np.full((num_rows, width), fill, dtype=dtype)
+    for row, values in enumerate(lists):
+        out[row, : len(values)] = values
+    return out

@@ -1,0 +1,368 @@
+"""Scheduler against a fake runner whose simulated KV pool stores token ids.
+
+The runner samples each token from the context it reads back through the block table, so a wrong page, a false
+prefix hit, a page freed too early or a mis-substituted pending token changes the outputs, which are compared with a
+closed-form reference.
+"""
+
+import collections
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler import PENDING_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.errors import ConfigError, InvalidRequestError
+from jaxserve.sampling_params import SamplingParams
+
+VOCAB = 29
+EOS = 0
+MAX_ITERATIONS = 3000
+
+
+def next_token(context) -> int:
+    state = 0
+    for token in context:
+        state = (state * 31 + token + 7) % 1_000_003
+    return state % VOCAB
+
+
+def reference_outputs(prompt, max_tokens) -> list[int]:
+    context, outputs = list(prompt), []
+    while len(outputs) < max_tokens and (not outputs or outputs[-1] != EOS):
+        outputs.append(next_token(context))
+        context.append(outputs[-1])
+    return outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival: int = 0  # engine loop iteration that receives the request
+    prompt_logprobs: int | None = None
+
+
+class FakeRunner:
+    """Executes batches in order, as the device does: step N's writes land before step N+1 reads."""
+
+    def __init__(self, scheduler: Scheduler, overlap: bool):
+        self.pool, self.page_size, self.overlap = scheduler.pool, scheduler.config.page_size, overlap
+        self.kv: dict[int, list[int | None]] = {}  # page -> token id written at each slot
+        self.truth: dict[str, list[int]] = {}  # prompt plus every token sampled for the request
+        self.last_sample: dict[str, tuple[int, int]] = {}  # request -> (step, token) of its latest sample
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        # Reads see only earlier steps' writes: a page must not be read in the batch that writes it.
+        contexts = {s.request_id: self._read_context(s) for s in output.sequences}
+        sampled = {}
+        for seq in output.sequences:
+            chunk = self._substitute_pending(seq, output.step)
+            context = contexts[seq.request_id] + chunk
+            assert context == self.truth[seq.request_id][:len(context)]
+            self._write(seq, chunk)
+            if seq.samples:
+                token = next_token(context)
+                self.truth[seq.request_id].append(token)
+                self.last_sample[seq.request_id] = (output.step, token)
+                sampled[seq.request_id] = token
+        return sampled
+
+    def _read_context(self, seq) -> list[int]:
+        assert len(seq.page_ids) == -(-(seq.start_position + seq.num_tokens) // self.page_size)
+        return [self.kv[seq.page_ids[p // self.page_size]][p % self.page_size] for p in range(seq.start_position)]
+
+    def _substitute_pending(self, seq, step: int) -> list[int]:
+        chunk = list(seq.token_ids)
+        if PENDING_TOKEN in chunk:
+            assert self.overlap and chunk == [PENDING_TOKEN], "pending tokens only as a decode input under overlap"
+            sampled_step, chunk[0] = self.last_sample[seq.request_id]
+            assert sampled_step == step - 1
+        return chunk
+
+    def _write(self, seq, chunk: list[int]) -> None:
+        for position, token in enumerate(chunk, start=seq.start_position):
+            page = seq.page_ids[position // self.page_size]
+            assert self.pool.refcount(page) == 1, "writing into a page another request shares"
+            self.kv.setdefault(page, [None] * self.page_size)[position % self.page_size] = token
+
+
+class FakeEngine:
+    """The engine loop: schedule, execute, then update (overlap: schedule N+1 before updating N)."""
+
+    def __init__(self, config: SchedulerConfig, overlap: bool = False):
+        self.scheduler = Scheduler(config)
+        self.runner = FakeRunner(self.scheduler, overlap)
+        self.overlap = overlap
+        self.results: dict[str, list[int]] = {}
+        self.outputs: list[SchedulerOutput] = []
+        self.added: list[str] = []
+
+    def add(self, request_id: str, work: Work) -> None:
+        params = SamplingParams(max_tokens=work.max_tokens, prompt_logprobs=work.prompt_logprobs)
+        self.scheduler.add_request(Request(request_id, work.prompt, params, arrival_index=len(self.added)))
+        self.runner.truth[request_id] = list(work.prompt)
+        self.added.append(request_id)
+
+    def run(self, workload: list[Work], aborts: dict[int, list[int]] | None = None) -> dict[str, list[int]]:
+        in_flight = None
+        last_arrival = max(work.arrival for work in workload)
+        for iteration in range(MAX_ITERATIONS):
+            for index, work in enumerate(workload):
+                if work.arrival == iteration:
+                    self.add(f"r{index}", work)
+            if iteration > last_arrival and not self.scheduler.has_unfinished_requests() and in_flight is None:
+                return self.results
+            output = self.scheduler.schedule()
+            self.outputs.append(output)
+            check_step(self.scheduler, output, self.added, self.runner.truth)
+            sampled = self.runner.execute(output)
+            for index in (aborts or {}).get(iteration, ()):
+                self.scheduler.abort_request(f"r{index}")  # with this step in flight
+            if self.overlap:
+                if in_flight is not None:
+                    self.apply(*in_flight)
+                in_flight = (output, sampled) if output.sequences else None
+            else:
+                self.apply(output, sampled)
+        raise AssertionError("the workload did not finish")
+
+    def apply(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        self.scheduler.update_from_output(output, sampled)
+        for request_id in sampled:
+            request = self.scheduler.get_request(request_id)
+            if request is None:
+                continue
+            known = request.output_token_ids[:request.num_output_tokens - request.num_pending_tokens]
+            if known and (len(known) == request.max_new_tokens or known[-1] == EOS):
+                self.results[request_id] = known
+                self.scheduler.finish_request(request_id, "stop")
+
+    @property
+    def total_batched_tokens(self) -> int:
+        return sum(output.num_batched_tokens for output in self.outputs)
+
+
+def check_step(scheduler: Scheduler, output: SchedulerOutput, request_ids, truth) -> None:
+    config, pool = scheduler.config, scheduler.pool
+    assert output.num_batched_tokens == sum(s.num_tokens for s in output.sequences)
+    assert output.num_batched_tokens <= config.max_num_batched_tokens
+    assert len(output.sequences) <= config.max_num_seqs
+    assert len({s.request_id for s in output.sequences}) == len(output.sequences)
+    for seq in output.sequences:
+        assert seq.num_tokens > 0 and all(1 <= page < config.num_pages for page in seq.page_ids)
+        assert seq.samples or config.enable_chunked_prefill  # without chunking a prompt goes whole
+    for request_id in output.preempted_ids:
+        request = scheduler.get_request(request_id)
+        assert request.status is RequestStatus.PREEMPTED and not request.page_ids
+    holders = collections.defaultdict(list)
+    for request_id in request_ids:
+        request = scheduler.get_request(request_id)
+        for index, page in enumerate(request.page_ids if request else ()):
+            holders[page].append((request, index))
+    for page in range(1, config.num_pages):
+        assert pool.refcount(page) == len(holders[page])
+    for page, owners in holders.items():
+        if len(owners) > 1:  # shared only through the prefix cache: same full prefix, computed by all
+            end = (owners[0][1] + 1) * config.page_size
+            assert len({(index, tuple(truth[r.request_id][:end])) for r, index in owners}) == 1
+            assert all(r.num_computed_tokens >= end for r, _ in owners)
+    assert pool.num_used + pool.num_free + pool.num_cached == config.num_pages - 1
+
+
+def assert_pool_drained(scheduler: Scheduler) -> None:
+    pool, stats = scheduler.pool, scheduler.stats()
+    assert all(pool.refcount(page) == 0 for page in range(pool.num_pages))
+    assert stats.num_pages_used == 0 and stats.num_running == stats.num_waiting == 0
+    assert stats.num_pages_free + stats.num_pages_cached == pool.num_pages - 1
+    assert not scheduler.has_unfinished_requests()
+
+
+def make_config(**overrides) -> SchedulerConfig:
+    fields = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, page_size=4, num_pages=64)
+    return SchedulerConfig(**{**fields, **overrides})
+
+
+@st.composite
+def workloads(draw, max_requests: int = 7):
+    shared = draw(st.lists(st.integers(1, 3), max_size=12))
+    items = []
+    for _ in range(draw(st.integers(1, max_requests))):
+        own = draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12))
+        prompt = tuple((shared if draw(st.booleans()) else []) + own)
+        items.append(Work(prompt, draw(st.integers(1, 10)), arrival=draw(st.integers(0, 5))))
+    return items
+
+
+@st.composite
+def configs(draw, chunked: bool, caching: bool):
+    # Each request needs at most ceil((24 + 10 - 1) / 4) = 9 pages: 10 pages is the tightest admissible pool.
+    budget = draw(st.integers(6, 64) if chunked else st.integers(48, 64))
+    return make_config(max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=budget,
+                       num_pages=draw(st.integers(10, 40)), enable_chunked_prefill=chunked,
+                       enable_prefix_caching=caching)
+
+
+MODES = [(chunked, caching, overlap) for chunked in (True, False) for caching in (True, False)
+         for overlap in (False, True)]
+
+
+@pytest.mark.parametrize("chunked,caching,overlap", MODES)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_every_request_gets_its_reference_outputs(chunked, caching, overlap, data):
+    workload = data.draw(workloads())
+    engine = FakeEngine(data.draw(configs(chunked, caching)), overlap)
+    results = engine.run(workload)
+    assert results == {f"r{i}": reference_outputs(w.prompt, w.max_tokens) for i, w in enumerate(workload)}
+    assert_pool_drained(engine.scheduler)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), chunked=st.booleans(), caching=st.booleans(), overlap=st.booleans())
+def test_aborts_at_any_point_leak_no_pages(data, chunked, caching, overlap):
+    workload = data.draw(workloads())
+    aborts = data.draw(st.dictionaries(st.integers(0, 25), st.lists(st.integers(0, len(workload) - 1), max_size=2)))
+    engine = FakeEngine(data.draw(configs(chunked, caching)), overlap)
+    results = engine.run(workload, aborts)
+    for request_id, outputs in results.items():
+        work = workload[int(request_id[1:])]
+        assert outputs == reference_outputs(work.prompt, work.max_tokens)
+    assert_pool_drained(engine.scheduler)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("caching", [False, True])
+def test_tiny_pool_preempts_and_still_matches_the_unpreempted_run(overlap, caching):
+    workload = [Work(tuple(range(i + 1, i + 9)), max_tokens=14) for i in range(4)]
+    roomy = FakeEngine(make_config(num_pages=64, enable_prefix_caching=caching), overlap)
+    tight = FakeEngine(make_config(num_pages=7, enable_prefix_caching=caching), overlap)
+    expected = roomy.run(workload)
+    assert tight.run(workload) == expected
+    assert roomy.scheduler.stats().num_preemptions == 0
+    assert tight.scheduler.stats().num_preemptions > 0
+    assert_pool_drained(tight.scheduler)
+
+
+def test_preemption_takes_the_newest_request_which_resumes_first():
+    scheduler = Scheduler(make_config(num_pages=4, max_model_len=16, enable_prefix_caching=False))
+    for index in range(3):
+        scheduler.add_request(Request(f"r{index}", (1, 2, 3, index + 4), SamplingParams(max_tokens=8), index))
+    first = scheduler.schedule()  # each prompt fills one of the three pages
+    assert [s.request_id for s in first.sequences] == ["r0", "r1", "r2"]
+    scheduler.update_from_output(first, {"r0": 5, "r1": 6, "r2": 7})
+    second = scheduler.schedule()  # each decode needs a second page: only one is free
+    assert second.preempted_ids == ("r2", "r1")
+    assert [s.request_id for s in second.sequences] == ["r0"]
+    scheduler.update_from_output(second, {"r0": 8})
+    scheduler.finish_request("r0", "stop")
+    third = scheduler.schedule()
+    resumed = third.sequences[0]
+    assert (resumed.request_id, resumed.start_position, resumed.token_ids) == ("r1", 0, (1, 2, 3, 5, 6))
+    assert scheduler.get_request("r2").status is RequestStatus.PREEMPTED
+
+
+def test_head_of_line_blocking_without_chunked_prefill():
+    engine = FakeEngine(make_config(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False))
+    workload = [Work((1, 2), 4), Work((3, 4), 4), Work(tuple(range(1, 16)), 1, arrival=1), Work((5,), 2, arrival=1)]
+    engine.run(workload)
+    first_step = {}
+    for output in engine.outputs:
+        for seq in output.sequences:
+            first_step.setdefault(seq.request_id, output.step)
+    assert first_step["r2"] > 1  # two decodes leave 14 tokens of budget: the 15-token prompt waits
+    assert first_step["r3"] >= first_step["r2"]  # and the short prompt behind it is not let past
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_shared_prefix_skips_prefill_and_counts_hits(overlap):
+    prefix = tuple(range(1, 21))  # five full pages
+    workload = [Work(prefix + (21, 22, 23), 3), Work(prefix + (24, 25, 26), 3, arrival=20),
+                Work(prefix + (24, 25, 26), 3, arrival=40, prompt_logprobs=1)]
+    cached = FakeEngine(make_config(), overlap)
+    uncached = FakeEngine(make_config(enable_prefix_caching=False), overlap)
+    assert cached.run(workload) == uncached.run(workload)
+    assert uncached.total_batched_tokens - cached.total_batched_tokens == len(prefix)
+    stats = cached.scheduler.stats()
+    assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (23 + 23, 20)
+    scored = [s for o in cached.outputs for s in o.sequences if s.request_id == "r2"]
+    assert scored[0].start_position == 0 and scored[0].wants_prompt_logits
+    assert not any(s.wants_prompt_logits for o in cached.outputs for s in o.sequences if s.request_id != "r2")
+
+
+def test_the_last_prompt_token_is_always_computed():
+    prompt = tuple(range(1, 9))  # exactly two pages
+    engine = FakeEngine(make_config())
+    engine.run([Work(prompt, 2), Work(prompt, 2, arrival=10)])
+    repeat = next(s for o in engine.outputs for s in o.sequences if s.request_id == "r1")
+    assert (repeat.start_position, repeat.token_ids) == (4, prompt[4:])
+
+
+def test_identical_prompts_share_pages_once_a_step_computed_them():
+    engine = FakeEngine(make_config(max_num_batched_tokens=24))
+    prompt = tuple(range(1, 13))
+    engine.run([Work(prompt, 3), Work(prompt, 3), Work(prompt, 3, arrival=1)])
+    first_chunks = {}
+    for output in engine.outputs:
+        for seq in output.sequences:
+            first_chunks.setdefault(seq.request_id, (output.step, seq.start_position))
+    # r1 is batched with r0, whose pages are not computed yet; r2 comes a step later and reuses two of them.
+    assert first_chunks == {"r0": (0, 0), "r1": (0, 0), "r2": (1, 8)}
+
+
+def test_overlapped_step_feeds_a_pending_token_on_fresh_pages():
+    scheduler = Scheduler(make_config())
+    scheduler.add_request(Request("a", (1, 2, 3, 4), SamplingParams(max_tokens=3), 0))
+    step0 = scheduler.schedule()
+    step1 = scheduler.schedule()
+    [decode] = step1.sequences
+    assert (decode.token_ids, decode.start_position, decode.samples) == ((PENDING_TOKEN,), 4, True)
+    assert len(decode.page_ids) == 2
+    with pytest.raises(RuntimeError):
+        scheduler.schedule()
+    scheduler.update_from_output(step0, {"a": 11})
+    assert scheduler.get_request("a").output_token_ids == [11, PENDING_TOKEN]
+    scheduler.update_from_output(step1, {"a": 12})
+    assert scheduler.get_request("a").output_token_ids == [11, 12]
+
+
+def test_finishing_with_a_step_in_flight_frees_pages_and_drops_late_results():
+    scheduler = Scheduler(make_config())
+    scheduler.add_request(Request("a", (1, 2, 3, 4, 5), SamplingParams(max_tokens=3), 0))
+    step = scheduler.schedule()
+    scheduler.finish_request("a", "stop")
+    assert scheduler.pool.num_used == 0 and scheduler.get_request("a") is None
+    scheduler.update_from_output(step, {"a": 9})
+    scheduler.abort_request("a")
+    scheduler.abort_request("never-added")
+    assert scheduler.schedule().finished_ids == ("a",)
+    assert_pool_drained(scheduler)
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,num_pages,param", [
+    (0, 1, 64, "prompt"), (48, 1, 64, "prompt"), (40, 9, 64, "max_tokens"),
+    (30, 1, 7, "prompt"), (20, 10, 7, "max_tokens"),
+])
+def test_requests_that_can_never_run_are_refused(prompt_len, max_tokens, num_pages, param):
+    engine = FakeEngine(make_config(num_pages=num_pages))
+    engine.add("ok-before", Work((1, 2, 3), 2))
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.add("bad", Work(tuple(range(prompt_len)), max_tokens))
+    assert refused.value.param == param
+    assert engine.scheduler.get_request("bad") is None
+    assert engine.run([Work((4, 5), 2)]) == {"ok-before": reference_outputs((1, 2, 3), 2),
+                                             "r0": reference_outputs((4, 5), 2)}
+
+
+@pytest.mark.parametrize("overrides", [dict(page_size=3), dict(num_pages=1), dict(max_num_seqs=0),
+                                       dict(max_num_batched_tokens=32, enable_chunked_prefill=False)])
+def test_invalid_configs_are_refused(overrides):
+    with pytest.raises(ConfigError):
+        make_config(**overrides)
+
+
+def test_block_table_width_covers_the_longest_sequence():
+    assert make_config(max_model_len=48, page_size=16).max_pages_per_seq == 3
+    assert make_config(max_model_len=49, page_size=16).max_pages_per_seq == 4

@@ -7,8 +7,16 @@ Offline use mirrors vLLM::
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 """
 
-from jaxserve.entrypoints.llm import LLM
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in JAX; importing it lazily keeps host-only modules (scheduler, page pool, tokenizers) JAX-free.
+    if name == "LLM":
+        from jaxserve.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -6,11 +6,12 @@ Bad input ends in one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from jaxserve.errors import JaxserveError
-from jaxserve.settings import load_settings
+from jaxserve.settings import EngineSettings, load_settings
 
 DEMO_PROMPT = "The capital of France is"
 
@@ -55,12 +56,20 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--block-size", type=int, help="tokens per KV page (a power of two)")
+    parser.add_argument("--num-kv-pages", type=int)
+    parser.add_argument("--kv-cache-memory-gb", type=float)
+    parser.add_argument("--gpu-memory-utilization", type=float)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--attention-backend", help="paged attention implementation (xla)")
     parser.add_argument("--seed", type=int)
 
 
 def _engine_settings(args: argparse.Namespace):
-    overrides = {name: getattr(args, name) for name in
-                 ("model", "tokenizer", "dtype", "max_model_len", "max_num_seqs", "seed")}
+    overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSettings)}
     return load_settings(args.config, overrides)
 
 
@@ -69,9 +78,10 @@ def _generate(args: argparse.Namespace) -> int:
     from jaxserve.sampling_params import SamplingParams
 
     settings = _engine_settings(args)
-    llm = LLM(**settings.llm_kwargs())
+    # Cheap checks first: a typo must not wait for weights to load and programs to compile.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed)
+    llm = LLM(**settings.llm_kwargs())
     prompts = args.prompt or [DEMO_PROMPT]
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)

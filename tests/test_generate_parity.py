@@ -16,12 +16,14 @@ pytestmark = pytest.mark.parity
 NEW_TOKENS = 32
 
 
-@pytest.mark.parametrize("style", ["llama2", "llama31", "tied"])
-def test_greedy_tokens_match_hf_generate(tmp_path, style):
+# The reference decoder on every style; the paged engine (small limits: few programs to compile) on one.
+@pytest.mark.parametrize("style, engine", [("llama2", False), ("llama31", False), ("tied", False), ("llama31", True)])
+def test_greedy_tokens_match_hf_generate(tmp_path, style, engine):
     # vocab 512 so the built-in tokenizer can serve these checkpoints.
     hf_model = save_tiny_hf_llama(tmp_path, style, vocab_size=512)
     prompts = [list(np.random.default_rng(seed).integers(3, 512, size=n)) for seed, n in ((0, 7), (1, 19))]
-    llm = LLM(model=tmp_path, tokenizer=BUILTIN_MODEL_DIR, dtype="float32", max_model_len=128)
+    llm = LLM(model=tmp_path, tokenizer=BUILTIN_MODEL_DIR, dtype="float32", max_model_len=128, max_num_seqs=2,
+              max_num_batched_tokens=32, reference_decoder=not engine, use_tqdm_on_load=False)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):

@@ -95,8 +95,8 @@ def make_ragged_batch(seed: int, group: int, head_dim: int, dtype) -> RaggedBatc
     )
 
 
-def _pages_for(length: int) -> int:
-    return -(-length // PAGE_SIZE)
+def _pages_for(length: int, page_size: int = PAGE_SIZE) -> int:
+    return -(-length // page_size)
 
 
 def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -202,7 +202,6 @@ def test_build_metadata_lays_out_tokens_slots_and_padding():
 
 
 @pytest.mark.parametrize("chunks, num_seqs, message", [
-    ([Chunk(0, 3, [1])], 1, "padding sequence row"),
     ([Chunk(0, 5, [1])], 2, "needs 2 pages"),
     ([Chunk(0, 3, [0])], 2, "null page"),
     ([Chunk(0, 9, [1, 2, 3])], 2, "do not fit"),
@@ -210,6 +209,12 @@ def test_build_metadata_lays_out_tokens_slots_and_padding():
 def test_build_metadata_rejects_what_the_step_cannot_run(chunks, num_seqs, message):
     with pytest.raises(ValueError, match=message):
         build_metadata(chunks, num_tokens=8, num_seqs=num_seqs, max_pages=3, page_size=4)
+
+
+def test_padding_tokens_without_a_spare_row_read_the_last_row_and_never_write():
+    inputs = build_metadata([Chunk(0, 3, [1])], num_tokens=8, num_seqs=1, max_pages=3, page_size=4)
+    np.testing.assert_array_equal(inputs.metadata.token_seq, [0] * 8)
+    np.testing.assert_array_equal(inputs.metadata.slot_mapping, [4, 5, 6] + [-1] * 5)
 
 
 def test_cache_refuses_unknown_backends_and_missing_metadata():
@@ -234,6 +239,7 @@ MODEL_STEPS = (
 
 
 def tiny_llama() -> LlamaForCausalLM:
+    """Two layers, GQA (4 query heads over 2 KV heads), float32, weights large enough for decisive logits."""
     config = LlamaConfig.from_hf_dict(dict(
         architectures=["LlamaForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -277,15 +283,15 @@ def test_model_on_paged_ragged_steps_matches_each_sequence_alone_on_the_dense_ca
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(0)
     sequences = [rng.integers(0, model.config.vocab_size, size=n).astype(np.int32) for n in SEQUENCE_TOKENS]
-    num_pages = 1 + sum(-(-n // MODEL_PAGE_SIZE) for n in SEQUENCE_TOKENS)
+    num_pages = 1 + sum(_pages_for(n, MODEL_PAGE_SIZE) for n in SEQUENCE_TOKENS)
     shuffled = iter(rng.permutation(np.arange(1, num_pages)))
-    page_lists = [[int(next(shuffled)) for _ in range(-(-n // MODEL_PAGE_SIZE))] for n in SEQUENCE_TOKENS]
+    page_lists = [[int(next(shuffled)) for _ in range(_pages_for(n, MODEL_PAGE_SIZE))] for n in SEQUENCE_TOKENS]
     # Causal attention: right padding never changes a real token's logits.
     expected_logits = np.asarray(_dense_logits(graphdef, params, jnp.asarray(_right_padded(sequences))))
     forward = _jitted_paged_forward(graphdef)
     pool = _poisoned_pool(model, num_pages)
     for (num_tokens, num_seqs), schedule in MODEL_STEPS:
-        chunks = [Chunk(start, count, pages[: -(-(start + count) // MODEL_PAGE_SIZE)])
+        chunks = [Chunk(start, count, pages[: _pages_for(start + count, MODEL_PAGE_SIZE)])
                   for (start, count), pages in zip(schedule, page_lists)]
         inputs = build_metadata(chunks, num_tokens=num_tokens, num_seqs=num_seqs, max_pages=MODEL_MAX_PAGES,
                                 page_size=MODEL_PAGE_SIZE)

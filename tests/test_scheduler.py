@@ -115,9 +115,10 @@ class FakeEngine:
                     self.add(f"r{index}", work)
             if iteration > last_arrival and not self.scheduler.has_unfinished_requests() and in_flight is None:
                 return self.results
+            running_before = {rid for rid in self.added if self._status(rid) is RequestStatus.RUNNING}
             output = self.scheduler.schedule()
             self.outputs.append(output)
-            check_step(self.scheduler, output, self.added, self.runner.truth)
+            check_step(self.scheduler, output, self.added, self.runner.truth, running_before)
             sampled = self.runner.execute(output)
             for index in (aborts or {}).get(iteration, ()):
                 self.scheduler.abort_request(f"r{index}")  # with this step in flight
@@ -140,12 +141,16 @@ class FakeEngine:
                 self.results[request_id] = known
                 self.scheduler.finish_request(request_id, "stop")
 
+    def _status(self, request_id: str) -> RequestStatus | None:
+        request = self.scheduler.get_request(request_id)
+        return request.status if request else None
+
     @property
     def total_batched_tokens(self) -> int:
         return sum(output.num_batched_tokens for output in self.outputs)
 
 
-def check_step(scheduler: Scheduler, output: SchedulerOutput, request_ids, truth) -> None:
+def check_step(scheduler: Scheduler, output: SchedulerOutput, request_ids, truth, running_before: set) -> None:
     config, pool = scheduler.config, scheduler.pool
     assert output.num_batched_tokens == sum(s.num_tokens for s in output.sequences)
     assert output.num_batched_tokens <= config.max_num_batched_tokens
@@ -157,6 +162,8 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput, request_ids, truth
     for request_id in output.preempted_ids:
         request = scheduler.get_request(request_id)
         assert request.status is RequestStatus.PREEMPTED and not request.page_ids
+    if output.preempted_ids:  # the pool is short: nobody is admitted, so no victim restarts at once
+        assert {seq.request_id for seq in output.sequences} <= running_before
     holders = collections.defaultdict(list)
     for request_id in request_ids:
         request = scheduler.get_request(request_id)
@@ -197,11 +204,13 @@ def workloads(draw, max_requests: int = 7):
 
 
 @st.composite
-def configs(draw, chunked: bool, caching: bool):
-    # Each request needs at most ceil((24 + 10 - 1) / 4) = 9 pages: 10 pages is the tightest admissible pool.
+def configs(draw, workload: list[Work], chunked: bool, caching: bool):
+    # The tightest admissible pool fits the largest request alone; a few pages more force preemption often.
+    page_size = 4
+    tightest = 1 + max(-(-(len(w.prompt) + w.max_tokens - 1) // page_size) for w in workload)
     budget = draw(st.integers(6, 64) if chunked else st.integers(48, 64))
-    return make_config(max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=budget,
-                       num_pages=draw(st.integers(10, 40)), enable_chunked_prefill=chunked,
+    return make_config(max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=budget, page_size=page_size,
+                       num_pages=draw(st.integers(tightest, tightest + 6)), enable_chunked_prefill=chunked,
                        enable_prefix_caching=caching)
 
 
@@ -210,22 +219,22 @@ MODES = [(chunked, caching, overlap) for chunked in (True, False) for caching in
 
 
 @pytest.mark.parametrize("chunked,caching,overlap", MODES)
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(data=st.data())
 def test_every_request_gets_its_reference_outputs(chunked, caching, overlap, data):
     workload = data.draw(workloads())
-    engine = FakeEngine(data.draw(configs(chunked, caching)), overlap)
+    engine = FakeEngine(data.draw(configs(workload, chunked, caching)), overlap)
     results = engine.run(workload)
     assert results == {f"r{i}": reference_outputs(w.prompt, w.max_tokens) for i, w in enumerate(workload)}
     assert_pool_drained(engine.scheduler)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data(), chunked=st.booleans(), caching=st.booleans(), overlap=st.booleans())
 def test_aborts_at_any_point_leak_no_pages(data, chunked, caching, overlap):
     workload = data.draw(workloads())
     aborts = data.draw(st.dictionaries(st.integers(0, 25), st.lists(st.integers(0, len(workload) - 1), max_size=2)))
-    engine = FakeEngine(data.draw(configs(chunked, caching)), overlap)
+    engine = FakeEngine(data.draw(configs(workload, chunked, caching)), overlap)
     results = engine.run(workload, aborts)
     for request_id, outputs in results.items():
         work = workload[int(request_id[1:])]
@@ -262,6 +271,10 @@ def test_preemption_takes_the_newest_request_which_resumes_first():
     resumed = third.sequences[0]
     assert (resumed.request_id, resumed.start_position, resumed.token_ids) == ("r1", 0, (1, 2, 3, 5, 6))
     assert scheduler.get_request("r2").status is RequestStatus.PREEMPTED
+    scheduler.abort_request("r2")  # while preempted
+    scheduler.abort_request("r1")  # while its step is in flight
+    scheduler.update_from_output(third, {"r1": 9})
+    assert_pool_drained(scheduler)
 
 
 def test_head_of_line_blocking_without_chunked_prefill():
@@ -289,6 +302,7 @@ def test_shared_prefix_skips_prefill_and_counts_hits(overlap):
     assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (23 + 23, 20)
     scored = [s for o in cached.outputs for s in o.sequences if s.request_id == "r2"]
     assert scored[0].start_position == 0 and scored[0].wants_prompt_logits
+    assert not any(s.wants_prompt_logits for s in scored[1:])  # decode steps score no prompt token
     assert not any(s.wants_prompt_logits for o in cached.outputs for s in o.sequences if s.request_id != "r2")
 
 
@@ -298,6 +312,23 @@ def test_the_last_prompt_token_is_always_computed():
     engine.run([Work(prompt, 2), Work(prompt, 2, arrival=10)])
     repeat = next(s for o in engine.outputs for s in o.sequences if s.request_id == "r1")
     assert (repeat.start_position, repeat.token_ids) == (4, prompt[4:])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pages_filled_by_decoding_are_cached(overlap):
+    prompt = next(p for p in ((i, 2, 3, 4, 5, 6) for i in range(1, VOCAB)) if EOS not in reference_outputs(p, 8))
+    continuation = prompt + tuple(reference_outputs(prompt, 8))  # 14 tokens; its second and third pages hold outputs
+    engine = FakeEngine(make_config(), overlap)
+    engine.run([Work(prompt, 8), Work(continuation, 1, arrival=30)])
+    assert engine.scheduler.stats().prefix_hit_tokens == 12
+
+
+def test_a_finished_request_keeps_its_first_pages_cached_longest():
+    prompt = tuple(range(1, 13))
+    engine = FakeEngine(make_config(num_pages=4, max_model_len=16))
+    engine.run([Work(prompt, 1), Work((20, 21, 22), 1, arrival=5), Work(prompt, 1, arrival=10)])
+    # The unrelated request evicted the finished one's last page, not its first two.
+    assert engine.scheduler.stats().prefix_hit_tokens == 8
 
 
 def test_identical_prompts_share_pages_once_a_step_computed_them():
@@ -337,8 +368,11 @@ def test_finishing_with_a_step_in_flight_frees_pages_and_drops_late_results():
     scheduler.update_from_output(step, {"a": 9})
     scheduler.abort_request("a")
     scheduler.abort_request("never-added")
-    assert scheduler.schedule().finished_ids == ("a",)
     assert_pool_drained(scheduler)
+    assert scheduler.schedule().finished_ids == ("a",)
+    scheduler.add_request(Request("b", (1, 2), SamplingParams(max_tokens=1), 1))
+    assert scheduler.schedule().finished_ids == ("a",)  # repeated until a batch the runner surely sees
+    assert scheduler.schedule().finished_ids == ()
 
 
 @pytest.mark.parametrize("prompt_len,max_tokens,num_pages,param", [
@@ -366,3 +400,27 @@ def test_invalid_configs_are_refused(overrides):
 def test_block_table_width_covers_the_longest_sequence():
     assert make_config(max_model_len=48, page_size=16).max_pages_per_seq == 3
     assert make_config(max_model_len=49, page_size=16).max_pages_per_seq == 4
+
+
+def test_static_batching_admits_no_request_while_a_batch_runs():
+    from jaxserve.engine.request import Request as _Request
+    from jaxserve.engine.scheduler import Scheduler as _Scheduler, SchedulerConfig as _Config
+    from jaxserve.sampling_params import SamplingParams as _Params
+
+    scheduler = _Scheduler(_Config(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32, page_size=4,
+                                   num_pages=32, static_batching=True))
+    for i, max_tokens in enumerate((2, 6, 2)):
+        scheduler.add_request(_Request(f"r{i}", [5, 6, 7], _Params(max_tokens=max_tokens), i))
+    admitted_late = set()
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        running_before = {s.request_id for s in output.sequences if s.start_position > 0}
+        started = {s.request_id for s in output.sequences if s.start_position == 0}
+        if running_before and started:
+            admitted_late |= started
+        scheduler.update_from_output(output, {s.request_id: 9 for s in output.sequences if s.samples})
+        for s in output.sequences:
+            request = scheduler.get_request(s.request_id)
+            if request is not None and request.num_output_tokens >= request.max_new_tokens:
+                scheduler.finish_request(s.request_id, "length")
+    assert not admitted_late

@@ -1,30 +1,29 @@
 """`Scheduler`: decides, each step, which tokens of which requests the runner computes.
 
-There are no prefill and decode phases (vLLM v1's rule). A request knows `num_tokens` (prompt plus outputs so far)
-and `num_computed_tokens`; each step hands out tokens so that computed catches up with known, and one ragged batch
+There are no prefill and decode phases (vLLM v1's rule): a request knows `num_tokens` (prompt plus outputs so far)
+and `num_computed_tokens`, and each step hands out tokens so that computed catches up with known. One ragged batch
 mixes decode tokens and prefill chunks under a token budget and a sequence cap.
 
 Queue policy, first come first served by arrival:
 
 - Running requests are served first, oldest arrival first.
 - Waiting requests are admitted in order with head-of-line blocking: when the head does not fit (tokens, pages or
-  sequence cap), nothing behind it is admitted. A request therefore only ever waits for requests that arrived
-  before it, which bounds starvation.
+  sequence cap), nothing behind it is admitted. A request only ever waits for earlier arrivals: starvation is bounded.
 - When pages run out, the newest running request is preempted by recompute: its pages go back, its computed count
   drops to zero and it goes to the front of the waiting queue with its outputs kept. Admission guarantees that any
   request fits the pool alone, so the oldest running request can always proceed: no deadlock. No request is admitted
-  in a step that preempted one, since the pool is short.
+  in a step that preempted one: the pages just freed would let a victim caught mid-prefill straight back in with a
+  small first chunk, restarting it for nothing.
 
 Async overlap: the engine may call `schedule()` for step N+1 before `update_from_output()` of step N, so progress is
-booked at schedule time. A chunk that reaches the end of its request's tokens samples, which appends a pending token;
-the next step can already feed it as PENDING_TOKEN, and the runner substitutes the id it sampled on device. At most
-one step may be in flight when `schedule()` is called, which keeps "pending" meaning "sampled in the previous step".
+booked at schedule time. A chunk that reaches the end of its request's tokens samples and appends a pending token,
+which the next step may already feed as PENDING_TOKEN (the runner substitutes the id it sampled on device). At most
+one step may be in flight when `schedule()` is called, so "pending" always means "sampled in the previous step".
 
-Prefix caching: full pages whose tokens are known are registered when the step that computes them is scheduled, but
-only after the whole batch is built, so a page becomes reusable from the next step on: device order guarantees the
-step that writes it runs before any step that reads it, and no kernel has to read a page written in the same batch.
-Requests submitted together (e.g. the n continuations of one prompt) share pages only once a first step has computed
-them.
+Prefix caching: full pages of known tokens are registered once the batch that computes them is built, so they are
+reusable from the next step on: device order runs the writing step first, and no kernel reads a page written in the
+same batch. So requests admitted in the same step (e.g. the n continuations of one prompt) each compute the shared
+prompt; only requests admitted later reuse its pages.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ class SchedulerConfig:
     num_pages: int  # pages in the KV pool, the reserved null page 0 included
     enable_prefix_caching: bool = True  # reuse computed full pages of identical prefixes across requests
     enable_chunked_prefill: bool = True  # split long prompts across steps; off: a prompt is computed whole or waits
+    static_batching: bool = False  # benchmark baseline: admit a new batch only once the previous one has finished
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages"):
@@ -116,19 +116,24 @@ class Scheduler:
         return bool(self._requests)
 
     def schedule(self) -> SchedulerOutput:
+        """Builds the next step's batch and books its progress; an empty output needs no update."""
         if len(self._steps_in_flight) > 1:
             raise RuntimeError(f"steps {sorted(self._steps_in_flight)} await update_from_output(); "
                                "at most one step may be in flight when scheduling the next")
         plan = _StepPlan(self.config.max_num_batched_tokens)
+        batch_in_progress = bool(self._running)
         self._schedule_running(plan)
-        if not plan.preempted_ids:
+        if not plan.preempted_ids and not (self.config.static_batching and batch_in_progress):
             self._admit_waiting(plan)
         for scheduled in plan.sequences:
             self._register_full_pages(self._requests[scheduled.request_id])
         return self._emit(plan)
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
-        """Fills in the tokens sampled in `output`'s step; results of requests finished meanwhile are dropped."""
+        """Fills in the tokens sampled in `output`'s step: `sampled` maps each sampling sequence to its token id.
+
+        Outputs must come back in step order. Results of requests finished meanwhile are dropped.
+        """
         self._steps_in_flight.discard(output.step)
         for scheduled in output.sequences:
             request = self._requests.get(scheduled.request_id)
@@ -298,8 +303,8 @@ class Scheduler:
             finished_ids=tuple(self._finished_ids),
         )
         self._next_step += 1
-        self._finished_ids.clear()
-        if plan.sequences:
+        if plan.sequences:  # an empty output may never reach the runner, so it delivers nothing for good
+            self._finished_ids.clear()
             self._steps_in_flight.add(output.step)
             self._num_steps += 1
         return output

@@ -29,7 +29,7 @@ class SchedulerOutput:
     sequences: tuple[ScheduledSequence, ...]  # running requests first (oldest first), then newly admitted ones
     num_batched_tokens: int  # sum of len(token_ids); at most max_num_batched_tokens
     preempted_ids: tuple[str, ...]  # requests preempted in this schedule() call; the runner drops their state
-    finished_ids: tuple[str, ...] = ()  # requests finished or aborted since the previous output; same
+    finished_ids: tuple[str, ...] = ()  # requests finished or aborted since the previous non-empty output; same
 
     @property
     def is_empty(self) -> bool:

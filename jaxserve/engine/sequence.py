@@ -43,7 +43,11 @@ class Sequence:
             return self._release(self._stop_strings.flush())
         at_length = len(self.token_ids) >= self.max_new_tokens
         text = self._detokenizer.push(token) + (self._detokenizer.flush() if at_length else "")
-        delta, matched = self._stop_strings.feed(text)
+        if len(self.token_ids) < self.params.min_tokens:
+            # As in vLLM, nothing stops a sequence before min_tokens: stop strings are looked for only after it.
+            delta, matched = self._stop_strings.flush() + text, None
+        else:
+            delta, matched = self._stop_strings.feed(text)
         if matched is not None:
             self._finish("stop", matched)
         elif at_length:

@@ -10,6 +10,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxserve.checkpoint import LoadedModel, load_model
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.kv_sizing import resolve_num_pages
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.prompts import (TokenizedPrompt, check_prompt, normalize_prompts, params_per_prompt,
                                           tokenize_prompt)
@@ -30,15 +33,37 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0):
-        self.model: LoadedModel = load_model(Path(model) if model is not None else None, dtype=dtype)
+                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 block_size: int = 16, num_kv_pages: int | None = None, kv_cache_memory_gb: float | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, async_scheduling: bool = True,
+                 max_tokens_policy: str = "cap", attention_backend: str = "xla", seed: int = 0,
+                 reference_decoder: bool = False, use_tqdm_on_load: bool = True):
+        self.model: LoadedModel = load_model(Path(model) if model is not None else None, dtype=dtype,
+                                             progress=use_tqdm_on_load)
         self.tokenizer: Tokenizer = load_tokenizer(Path(tokenizer) if tokenizer is not None else self.model.model_dir)
         self.max_model_len = _resolve_max_model_len(max_model_len, self.model.config.max_position_embeddings)
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self._decoder = DenseDecoder(self.model.config, self.model.graphdef, self.model.params, self.model.dtype,
-                                     max_batch=max_num_seqs, seed=seed)
         self._request_ids = itertools.count()
+        if reference_decoder:
+            # The simple dense-cache decoder the engine is tested against.
+            self._decoder = DenseDecoder(self.model.config, self.model.graphdef, self.model.params, self.model.dtype,
+                                         max_batch=max_num_seqs, seed=seed)
+            self.engine = None
+            return
+        self._decoder = None
+        pages = resolve_num_pages(self.model.config, self.model.dtype, page_size=block_size,
+                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                  num_kv_pages=num_kv_pages, kv_cache_memory_gb=kv_cache_memory_gb,
+                                  gpu_memory_utilization=gpu_memory_utilization)
+        self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
+            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, page_size=block_size, num_kv_pages=pages,
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling, max_tokens_policy=max_tokens_policy,
+            attention_backend=attention_backend, seed=seed,
+        ), progress=use_tqdm_on_load)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -69,10 +94,34 @@ class LLM:
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         for prompt in prompts:
             check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
+        if self.engine is None:
+            return self._run_reference(prompts, params, use_tqdm)
+        ids = [str(next(self._request_ids)) for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(request_id, prompt.token_ids, p, prompt=prompt.text)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    results[output.request_id] = output
+                    bar.update()
+        return [results[request_id] for request_id in ids]
+
+    def _run_reference(self, prompts: list[TokenizedPrompt], params: list[SamplingParams],
+                       use_tqdm: bool) -> list[RequestOutput]:
+        for p in params:
+            if p.n > 1 or p.prompt_logprobs is not None:
+                raise InvalidRequestError("the reference decoder supports neither n > 1 nor prompt_logprobs",
+                                          param="n" if p.n > 1 else "prompt_logprobs")
+        eos = self.tokenizer.eos_token_ids
         budgets = [min(p.max_tokens, self.max_model_len - len(t.token_ids)) for t, p in zip(prompts, params)]
         sequences = [GeneratingSequence(self.tokenizer, t.token_ids, p, n) for t, p, n in zip(prompts, params, budgets)]
-        requests = [DecodeRequest(t.token_ids, p, n, self.tokenizer.eos_token_ids)
-                    for t, p, n in zip(prompts, params, budgets)]
+        requests = [DecodeRequest(t.token_ids, p, n, eos) for t, p, n in zip(prompts, params, budgets)]
         with tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm) as bar:
             def on_token(index, token) -> bool:
                 sequence = sequences[index]

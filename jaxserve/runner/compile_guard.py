@@ -1,19 +1,23 @@
 """Counting XLA compilations, so that a compile after warm-up is caught (raised or logged) instead of stalling a step.
 
-JAX reports every backend compile through `jax.monitoring`; one listener per process forwards them to whichever
-guards are live, so guards (one per engine) come and go without touching JAX's global listener list.
+JAX reports every backend compile through `jax.monitoring`, process-wide. One listener forwards each event to the
+guard that is watching in the compiling thread (compiles run in the thread that triggers them), so an engine's
+guard sees its own steps' compiles and not those of unrelated JAX code in the same process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-import weakref
 
 import jax
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _log = logging.getLogger(__name__)
+_watching = threading.local()  # .guard: the CompileGuard watching this thread, if any
+_listener_lock = threading.Lock()
+_listener_registered = False
 
 
 class CompileAfterWarmupError(RuntimeError):
@@ -21,21 +25,28 @@ class CompileAfterWarmupError(RuntimeError):
 
 
 class CompileGuard:
-    """Counts compiles in its process; after `arm()`, each further compile raises or logs."""
+    """Counts compiles inside `watch()`; after `arm()`, each further one raises or logs."""
 
     def __init__(self, raise_on_compile: bool = True):
         self.raise_on_compile = raise_on_compile
-        self.total_compiles = 0  # every backend compile seen since this guard was made
+        self.total_compiles = 0  # compiles seen while watching
         self.compiles_after_warmup = 0  # those seen after arm()
         self._armed = False
-        _Dispatcher.instance().add(self)
+        _register_listener()
 
     def arm(self) -> None:
         """Warm-up is over: from now on every compile is a bug."""
         self._armed = True
 
-    def disarm(self) -> None:
-        self._armed = False
+    @contextlib.contextmanager
+    def watch(self):
+        """Attributes compiles in this thread to this guard for the duration of the block."""
+        outer = getattr(_watching, "guard", None)
+        _watching.guard = self
+        try:
+            yield
+        finally:
+            _watching.guard = outer
 
     def on_compile(self, seconds: float) -> None:
         self.total_compiles += 1
@@ -48,27 +59,15 @@ class CompileGuard:
         _log.warning(message)
 
 
-class _Dispatcher:
-    """The single jax.monitoring listener, fanning events out to live guards."""
+def _register_listener() -> None:
+    global _listener_registered
+    with _listener_lock:
+        if not _listener_registered:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listener_registered = True
 
-    _instance: _Dispatcher | None = None
-    _lock = threading.Lock()
 
-    def __init__(self):
-        self._guards: weakref.WeakSet[CompileGuard] = weakref.WeakSet()
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    @classmethod
-    def instance(cls) -> _Dispatcher:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def add(self, guard: CompileGuard) -> None:
-        self._guards.add(guard)
-
-    def _on_event(self, event: str, duration_secs: float, **_) -> None:
-        if event == COMPILE_EVENT:
-            for guard in list(self._guards):
-                guard.on_compile(duration_secs)
+def _on_event(event: str, duration_secs: float, **_) -> None:
+    guard = getattr(_watching, "guard", None)
+    if event == COMPILE_EVENT and guard is not None:
+        guard.on_compile(duration_secs)

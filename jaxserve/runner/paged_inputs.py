@@ -47,12 +47,15 @@ def build_metadata(chunks: Sequence[ScheduledChunk], *, num_tokens: int, num_seq
     """Flatten the chunks (in order) into T = num_tokens tokens over S = num_seqs sequence rows.
 
     Row i holds chunks[i]; the remaining rows are padding (length 0, null pages). Padding tokens after the real
-    ones point at the first padding row, so when the batch needs token padding, num_seqs must exceed len(chunks).
+    ones never write (their slot is dropped) and point at the first padding row, or at the last row when none is
+    spare, so a full bucket of sequences needs no extra row.
     """
     _check_fits(chunks, num_tokens, num_seqs, max_pages, page_size)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.full(num_tokens, PADDING_SLOT, np.int32)
-    token_seq = np.full(num_tokens, len(chunks), np.int32)  # the first padding row
+    # Padding tokens read the first padding row (length 0: zero output); with no spare row, the last real row, where
+    # at position 0 they read one cached slot: finite, and their outputs are never used.
+    token_seq = np.full(num_tokens, min(len(chunks), num_seqs - 1), np.int32)
     block_tables = np.full((num_seqs, max_pages), NULL_PAGE, np.int32)
     seq_lens = np.zeros(num_seqs, np.int32)
     first = 0  # index of the chunk's first token in the flattened batch
@@ -77,8 +80,6 @@ def _check_fits(chunks: Sequence[ScheduledChunk], num_tokens: int, num_seqs: int
     if total > num_tokens or len(chunks) > num_seqs:
         raise ValueError(f"{len(chunks)} sequences with {total} tokens do not fit buckets of "
                          f"{num_seqs} sequences and {num_tokens} tokens")
-    if total < num_tokens and len(chunks) == num_seqs:
-        raise ValueError("padding tokens need a padding sequence row: num_seqs must exceed the number of chunks")
     for chunk in chunks:
         needed = -(-(chunk.start_position + chunk.num_tokens) // page_size)
         if not needed <= len(chunk.page_ids) <= max_pages:

@@ -109,9 +109,9 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
     bias_width = _width(max(map(len, biases), default=0), bias_width, "bias_width")
     stop_width = _width(max(map(len, stops), default=0), stop_width, "stop_width")
     if include_penalties is None:
-        include_penalties = any(_uses_penalties(r.params) for r in rows)
+        include_penalties = any(uses_penalties(r.params) for r in rows)
     if include_truncation is None:
-        include_truncation = any(_uses_truncation(r.params) for r in rows if not r.params.greedy)
+        include_truncation = any(uses_truncation(r.params) for r in rows if not r.params.greedy)
     return SamplingTensors(
         greedy=greedy,
         temperature=np.array(temperature + [1.0] * pad, np.float32),
@@ -222,11 +222,11 @@ def _ids_blocked_by_min_tokens(params: SamplingParams, eos_token_ids: Sequence[i
     return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
 
 
-def _uses_penalties(params: SamplingParams) -> bool:
+def uses_penalties(params: SamplingParams) -> bool:
     return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 
 
-def _uses_truncation(params: SamplingParams) -> bool:
+def uses_truncation(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
 
 

@@ -1,0 +1,219 @@
+"""`LLMEngine`: the continuous-batching loop — schedule, execute, read back, update, stream or finish.
+
+With async scheduling the host schedules and prepares step N+1 while the device runs step N; the only sync per step
+is reading back step N's sampled tokens. Requests using penalties need their previous token on the host, so a step
+that carries one waits for the step before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence as SequenceOf
+
+import jax
+import numpy as np
+
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.request import Request
+from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from jaxserve.engine.sequence import Sequence
+from jaxserve.errors import InvalidRequestError
+from jaxserve.outputs import RequestOutput
+from jaxserve.runner.host_sampler import SampledToken
+from jaxserve.runner.model_runner import ModelRunner, PendingStep, RunnerConfig, SampledBatch
+from jaxserve.runner.sampler import SamplingRow, uses_penalties
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """One submitted prompt: its n continuations and what the caller sees."""
+
+    request_id: str  # the caller's id
+    prompt: str | None  # prompt text, when given as text
+    prompt_token_ids: tuple[int, ...]  # what the model sees
+    children: list[str]  # scheduler request ids of the continuations
+    sequences: dict[str, Sequence]  # child id -> output assembly
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A dispatched step awaiting read-back."""
+
+    schedule: SchedulerOutput  # what was scheduled
+    step: PendingStep  # the device work
+
+
+class LLMEngine:
+    """Owns the scheduler and the model runner; `step()` advances every request by one iteration."""
+
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, progress: bool = True):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        _enable_compilation_cache(config)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, page_size=config.page_size, num_pages=config.num_kv_pages,
+            enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
+            static_batching=config.static_batching,
+        ))
+        self.runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype, RunnerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, page_size=config.page_size, num_pages=config.num_kv_pages,
+            attention_backend=config.attention_backend, raise_on_compile=config.raise_on_compile,
+        ))
+        self.runner.warm_up(progress)
+        self._tracked: dict[str, _Tracked] = {}
+        self._parent_of: dict[str, str] = {}
+        self._seeds: dict[str, int] = {}
+        self._arrivals = itertools.count()
+        self._draw_seeds = np.random.default_rng(config.seed)
+        self._in_flight: _InFlight | None = None
+
+    def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        """Queues a prompt for `params.n` continuations; raises InvalidRequestError (changing nothing) if it cannot run."""
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        ids = tuple(prompt_token_ids)
+        self._check_prompt(ids)
+        max_new = self._max_new_tokens(len(ids), params)
+        self._check_runner_limits(params)
+        children = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [request_id]
+        base_seed = params.seed if params.seed is not None else int(self._draw_seeds.integers(2**32))
+        tracked = _Tracked(request_id, prompt, ids, children, {})
+        for index, child in enumerate(children):
+            self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new))
+            tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
+            self._parent_of[child] = request_id
+            self._seeds[child] = base_seed + index  # as vLLM: continuation i draws with seed + i
+        self._tracked[request_id] = tracked
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request at any point; its pages are free when this returns."""
+        tracked = self._tracked.pop(request_id, None)
+        for child in tracked.children if tracked else ():
+            self.scheduler.abort_request(child)
+            self._forget(child)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked) or self._in_flight is not None
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that finished in it."""
+        if self._in_flight is not None and not self._may_overlap():
+            finished = self._complete(self._in_flight)
+            self._in_flight = None
+        else:
+            finished = []
+        with jax.named_scope("schedule"):
+            schedule = self.scheduler.schedule()
+        dispatched = None if schedule.is_empty else _InFlight(schedule, self._dispatch(schedule))
+        if self._in_flight is not None:
+            finished += self._complete(self._in_flight)
+        self._in_flight = dispatched
+        return finished
+
+    def _may_overlap(self) -> bool:
+        return self.config.async_scheduling and not any(
+            uses_penalties(self.scheduler.get_request(child).params)
+            for child in self._parent_of if self.scheduler.get_request(child) is not None
+        )
+
+    def _dispatch(self, schedule: SchedulerOutput) -> PendingStep:
+        rows = [self._sampling_row(self.scheduler.get_request(s.request_id)) for s in schedule.sequences]
+        return self.runner.execute(schedule.sequences, rows)
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        return SamplingRow(params=request.params, prompt_ids=request.prompt_token_ids,
+                           output_ids=tuple(request.output_token_ids), eos_token_ids=self.tokenizer.eos_token_ids,
+                           seed=self._seeds[request.request_id], step=request.num_output_tokens)
+
+    def _complete(self, in_flight: _InFlight) -> list[RequestOutput]:
+        """Reads a step's samples back, hands them to the scheduler and to each sequence's output assembly."""
+        batch = in_flight.step.fetch()
+        sampled = {s.request_id: int(batch.token_ids[row])
+                   for row, s in enumerate(in_flight.schedule.sequences) if s.samples and s.request_id in self._parent_of}
+        self.scheduler.update_from_output(in_flight.schedule, sampled)
+        finished = []
+        for row, scheduled in enumerate(in_flight.schedule.sequences):
+            if scheduled.request_id in sampled:
+                output = self._append(scheduled.request_id, _sampled_token(batch, row, self._logprobs_of(scheduled)))
+                finished += [output] if output is not None else []
+        return finished
+
+    def _logprobs_of(self, scheduled) -> int:
+        return self._tracked[self._parent_of[scheduled.request_id]].sequences[scheduled.request_id].params.logprobs or 0
+
+    def _append(self, child: str, token: SampledToken) -> RequestOutput | None:
+        tracked = self._tracked[self._parent_of[child]]
+        sequence = tracked.sequences[child]
+        sequence.append(token)
+        if not sequence.finished:
+            return None
+        self.scheduler.finish_request(child, sequence.finish_reason)
+        self._forget(child)
+        if any(not s.finished for s in tracked.sequences.values()):
+            return None
+        del self._tracked[tracked.request_id]
+        return RequestOutput(request_id=tracked.request_id, prompt=tracked.prompt,
+                             prompt_token_ids=tracked.prompt_token_ids,
+                             outputs=[tracked.sequences[c].to_output() for c in tracked.children], finished=True)
+
+    def _forget(self, child: str) -> None:
+        self._parent_of.pop(child, None)
+        self._seeds.pop(child, None)
+
+    def _check_prompt(self, ids: tuple[int, ...]) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="prompt")
+        if len(ids) >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens, but max_model_len is {self.config.max_model_len} (at least one "
+                "token must be generated)", param="prompt")
+
+    def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.config.max_model_len - prompt_len
+        if params.max_tokens > room and self.config.max_tokens_policy == "reject":
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len "
+                f"({self.config.max_model_len})", param="max_tokens")
+        return min(params.max_tokens, room)
+
+    def _check_runner_limits(self, params: SamplingParams) -> None:
+        limits = self.runner.config
+        if len(params.logit_bias) > limits.max_logit_bias:
+            raise InvalidRequestError(f"logit_bias has {len(params.logit_bias)} entries; at most "
+                                      f"{limits.max_logit_bias} are allowed", param="logit_bias")
+        if len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids) > limits.max_stop_ids:
+            raise InvalidRequestError(f"at most {limits.max_stop_ids - len(self.tokenizer.eos_token_ids)} "
+                                      "stop_token_ids are allowed", param="stop_token_ids")
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias names a token outside the vocabulary [0, {self.vocab_size})",
+                                      param="logit_bias")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported yet", param="prompt_logprobs")
+
+
+def _sampled_token(batch: SampledBatch, row: int, num_top: int) -> SampledToken:
+    top = tuple((int(t), float(lp)) for t, lp in zip(batch.top_ids[row, :num_top], batch.top_logprobs[row, :num_top]))
+    return SampledToken(token_id=int(batch.token_ids[row]), logprob=float(batch.logprobs[row]),
+                        rank=int(batch.ranks[row]), top=top)
+
+
+def _enable_compilation_cache(config: EngineConfig) -> None:
+    """JAX's persistent cache: a restart (or a second engine of the same shapes) loads programs instead of compiling."""
+    if config.compilation_cache_dir is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(config.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

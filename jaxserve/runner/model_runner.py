@@ -1,0 +1,195 @@
+"""`ModelRunner`: turns scheduled chunks into padded device inputs and runs the AOT-compiled step for their bucket.
+
+Every bucket (token count × sequence rows × sampler variant) is compiled at start-up; after that a compile is a bug
+that the CompileGuard raises (or logs). The KV pool lives here and is donated through every step. Steps are
+dispatched asynchronously: `execute` returns at once with a `PendingStep`, whose sampled tokens start copying to
+the host right away, so the caller can schedule the next step while this one runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxserve.model.config import LlamaConfig
+from jaxserve.model.paged_kv_cache import PagedKVCache
+from jaxserve.runner.buckets import BucketSet, StepBucket
+from jaxserve.runner.compile_guard import CompileGuard
+from jaxserve.runner.paged_inputs import build_metadata
+from jaxserve.runner.sampler import SamplingRow, build_sampling_tensors, uses_penalties, uses_truncation
+from jaxserve.runner.step import StepArrays, StepResult, run_step
+
+PENDING_TOKEN = -1  # a token id the previous step sampled on the device and the host has not seen yet
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes that fix the compiled shapes."""
+
+    max_num_seqs: int  # most sequences in one step
+    max_num_batched_tokens: int  # most tokens in one step
+    max_model_len: int  # longest sequence; sets the block-table width
+    page_size: int  # tokens per KV page
+    num_pages: int  # pages in the pool, the null page 0 included
+    attention_backend: str = "xla"  # which paged attention implementation runs
+    max_logprobs: int = 20  # top log-probabilities computed per row (requests ask for at most this many)
+    max_logit_bias: int = 64  # logit_bias entries per request
+    max_stop_ids: int = 16  # EOS plus stop_token_ids per request (masked while min_tokens is unmet)
+    raise_on_compile: bool = True  # a compile after warm-up raises (False: it is logged)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+
+class ScheduledChunk(Protocol):
+    """The runner's view of one scheduled sequence (the scheduler's ScheduledSequence has this shape)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # PENDING_TOKEN where the previous step's sample goes
+    start_position: int
+    page_ids: tuple[int, ...]
+    samples: bool
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledBatch:
+    """A step's samples on the host, row i belonging to the i-th scheduled chunk."""
+
+    token_ids: np.ndarray  # i32[n]
+    logprobs: np.ndarray  # f32[n]: of the sampled tokens, from the raw logits
+    ranks: np.ndarray  # i32[n]
+    top_ids: np.ndarray  # i32[n, max_logprobs]
+    top_logprobs: np.ndarray  # f32[n, max_logprobs]
+
+
+class PendingStep:
+    """A dispatched step; `fetch` waits for its samples (the only host sync of a step)."""
+
+    def __init__(self, result: StepResult, num_rows: int):
+        self._sampled = result.sampled
+        self._num_rows = num_rows
+        for leaf in jax.tree.leaves(self._sampled):
+            leaf.copy_to_host_async()
+
+    def fetch(self) -> SampledBatch:
+        host = jax.device_get(self._sampled)
+        n = self._num_rows
+        return SampledBatch(token_ids=host.token_ids[:n], logprobs=host.logprobs[:n], ranks=host.ranks[:n],
+                            top_ids=host.top_ids[:n], top_logprobs=host.top_logprobs[:n])
+
+
+class ModelRunner:
+    """Owns the weights, the KV pool and the compiled step programs."""
+
+    def __init__(self, model_config: LlamaConfig, graphdef: nnx.GraphDef, params: nnx.State, dtype,
+                 config: RunnerConfig):
+        self.config = config
+        self.model_config = model_config
+        self.params = params
+        self.buckets = BucketSet.for_limits(config.max_num_batched_tokens, config.max_num_seqs)
+        self.guard = CompileGuard(raise_on_compile=config.raise_on_compile)
+        self._history_width = 1 << (config.max_model_len - 1).bit_length()
+        self.pool = PagedKVCache.zeros(model_config.num_hidden_layers, config.num_pages, config.page_size,
+                                       model_config.num_key_value_heads, model_config.head_dim, dtype,
+                                       attention_backend=config.attention_backend)
+        self._last_tokens = jnp.zeros(self.buckets.seq_sizes[-1], jnp.int32)  # i32[max_rows]
+        self._last_rows: dict[str, int] = {}  # request id -> its row in the previous step's samples
+        self._jitted = jax.jit(functools.partial(run_step, graphdef), static_argnames="num_top_logprobs",
+                               donate_argnames="pool")
+        self._programs: dict[StepBucket, jax.stages.Compiled] = {}
+        self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
+
+    def warm_up(self, progress: bool = True) -> None:
+        """Compiles every bucket ahead of time, then arms the guard: no compile may follow.
+
+        Lowering runs here; the XLA compiles run on a thread pool (they release the GIL), one per core.
+        """
+        buckets = self.buckets.all_buckets()
+        with self.guard.watch():
+            lowered = [self._lower(bucket) for bucket in buckets]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            compiled = pool.map(self._compile_watched, lowered)
+            for bucket, program in zip(buckets, tqdm(compiled, total=len(buckets), desc="compile", unit="program",
+                                                     disable=not progress)):
+                self._programs[bucket] = program
+        self.guard.arm()
+
+    def _lower(self, bucket: StepBucket) -> jax.stages.Lowered:
+        arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._padding_arrays(bucket))
+        return self._jitted.lower(self.params, self.pool, self._last_tokens, arrays,
+                                  num_top_logprobs=self.config.max_logprobs)
+
+    def _compile_watched(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        with self.guard.watch():
+            return lowered.compile()
+
+    def execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> PendingStep:
+        """Dispatches one step over `chunks` (with one sampling row each) and returns without waiting."""
+        with self.guard.watch():
+            return self._execute(chunks, rows)
+
+    def prepare(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> tuple[StepBucket, StepArrays]:
+        """The bucket of this batch and its padded inputs as host arrays (pure numpy: the host's share of a step)."""
+        bucket = self.buckets.select(
+            sum(c.num_tokens for c in chunks), len(chunks),
+            penalties=any(uses_penalties(r.params) for r in rows),
+            truncation=any(uses_truncation(r.params) for r in rows if not r.params.greedy),
+        )
+        return bucket, self._step_arrays(chunks, rows, bucket)
+
+    def _execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> PendingStep:
+        with jax.named_scope("prepare"):
+            bucket, host_arrays = self.prepare(chunks, rows)
+            arrays = jax.device_put(host_arrays)
+        result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, arrays)
+        self.bucket_counts[bucket] += 1
+        self._last_tokens = result.last_tokens
+        self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
+        return PendingStep(result, len(chunks))
+
+    def _step_arrays(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
+                     bucket: StepBucket) -> StepArrays:
+        token_ids = np.zeros(bucket.num_tokens, np.int32)
+        pending_rows = np.full(bucket.num_tokens, -1, np.int32)
+        sample_index = np.zeros(bucket.num_seqs, np.int32)
+        first = 0
+        for row, chunk in enumerate(chunks):
+            ids = np.asarray(chunk.token_ids, np.int32)
+            pending = ids == PENDING_TOKEN
+            token_ids[first:first + len(ids)] = np.where(pending, 0, ids)
+            if pending.any():
+                pending_rows[first:first + len(ids)][pending] = self._last_rows[chunk.request_id]
+            first += len(ids)
+            sample_index[row] = first - 1
+        inputs = build_metadata(chunks, num_tokens=bucket.num_tokens, num_seqs=bucket.num_seqs,
+                                max_pages=self.config.max_pages_per_seq, page_size=self.config.page_size)
+        return StepArrays(token_ids=token_ids, pending_rows=pending_rows, positions=inputs.positions,
+                          metadata=inputs.metadata, sample_index=sample_index,
+                          sampling=self._sampling_tensors(rows, bucket))
+
+    def _sampling_tensors(self, rows: Sequence[SamplingRow], bucket: StepBucket):
+        return build_sampling_tensors(
+            rows, bucket.num_seqs, bias_width=self.config.max_logit_bias, stop_width=self.config.max_stop_ids,
+            history_width=self._history_width, include_penalties=bucket.penalties,
+            include_truncation=bucket.truncation,
+        )
+
+    def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
+        """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""
+        return self._step_arrays([], [], bucket)
+

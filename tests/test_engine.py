@@ -1,0 +1,128 @@
+"""The paged continuous-batching engine against the dense reference decoder, with each fast path on and off."""
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+
+# One shape set for every engine here, so the compiled programs are shared through the persistent cache.
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
+              num_kv_pages=40, use_tqdm_on_load=False)
+TINY_POOL = dict(ENGINE, num_kv_pages=12)  # 88 token slots for four sequences of up to 64: forces preemption
+
+
+def _workload(seed=0, count=10):
+    """Prompts of varied length (some sharing a 17-token prefix) with varied max_tokens."""
+    rng = np.random.default_rng(seed)
+    shared = [int(t) for t in rng.integers(3, 500, size=17)]
+    prompts, params = [], []
+    for i in range(count):
+        length = int(rng.choice([1, 3, 7, 8, 9, 16, 25, 40]))
+        own = [int(t) for t in rng.integers(3, 500, size=length)]
+        prompts.append({"prompt_token_ids": shared + own if i % 3 == 0 else own})
+        params.append(SamplingParams(max_tokens=int(rng.choice([1, 5, 12])), temperature=0, ignore_eos=True))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference_outputs():
+    prompts, params = _workload()
+    llm = LLM(reference_decoder=True, **{k: v for k, v in ENGINE.items() if k in ("dtype", "max_model_len")})
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("switches", [
+    {},
+    {"enable_chunked_prefill": False},
+    {"enable_prefix_caching": False},
+    {"async_scheduling": False},
+    {"async_scheduling": False, "enable_prefix_caching": False, "enable_chunked_prefill": False},
+], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "all-on")
+def test_engine_greedy_tokens_equal_the_reference(reference_outputs, switches):
+    llm = LLM(**ENGINE, **switches)
+    prompts, params = _workload()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
+    assert llm.engine.runner.guard.compiles_after_warmup == 0
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(reference_outputs):
+    llm = LLM(**TINY_POOL)
+    prompts, params = _workload()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
+
+
+@pytest.fixture(scope="module")
+def engine_llm():
+    return LLM(**ENGINE)
+
+
+def test_prefix_cache_hits_skip_prefill(engine_llm):
+    prefix = list(range(100, 140))
+    before = engine_llm.engine.stats().prefix_hit_tokens
+    params = SamplingParams(max_tokens=2, temperature=0)
+    engine_llm.generate({"prompt_token_ids": prefix + [7]}, params, use_tqdm=False)
+    engine_llm.generate({"prompt_token_ids": prefix + [9]}, params, use_tqdm=False)
+    assert engine_llm.engine.stats().prefix_hit_tokens - before >= 32
+
+
+def test_batch_invariance_of_greedy_output(engine_llm):
+    prompts, params = _workload(seed=1, count=6)
+    together = engine_llm.generate(prompts, params, use_tqdm=False)
+    alone = [engine_llm.generate(p, q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_seeded_sampling_is_reproducible_across_batch_mixes(engine_llm):
+    target = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=42, ignore_eos=True)
+    alone = engine_llm.generate({"prompt_token_ids": [5, 6, 7]}, target, use_tqdm=False)[0]
+    others = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
+    mixed = engine_llm.generate([{"prompt_token_ids": [9, 9]}, {"prompt_token_ids": [5, 6, 7]},
+                                 {"prompt_token_ids": [3] * 20}], [others[0], target, others[1]], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_n_continuations_with_a_seed_differ_and_reproduce(engine_llm):
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    first = engine_llm.generate({"prompt_token_ids": [11, 12, 13]}, params, use_tqdm=False)[0]
+    second = engine_llm.generate({"prompt_token_ids": [11, 12, 13]}, params, use_tqdm=False)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in second.outputs]
+    assert len({c.token_ids for c in first.outputs}) > 1
+
+
+def test_aborts_at_random_points_leak_no_pages(engine_llm):
+    engine = engine_llm.engine
+    rng = np.random.default_rng(3)
+    prompts, params = _workload(seed=2, count=8)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"abort-{i}", prompt["prompt_token_ids"], SamplingParams(max_tokens=12, ignore_eos=True))
+    live = {f"abort-{i}" for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            live.discard(output.request_id)
+        if live and rng.random() < 0.3:
+            victim = sorted(live)[int(rng.integers(len(live)))]
+            engine.abort_request(victim)
+            live.discard(victim)
+    stats = engine.stats()
+    assert stats.num_pages_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_pages_free + stats.num_pages_cached == ENGINE["num_kv_pages"] - 1
+
+
+def test_no_compile_after_warm_up_across_buckets_and_sampler_variants(engine_llm):
+    varied = [
+        SamplingParams(max_tokens=6, temperature=0),
+        SamplingParams(max_tokens=6, temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1),
+        SamplingParams(max_tokens=6, temperature=0.7, presence_penalty=0.5, repetition_penalty=1.2, seed=2),
+        SamplingParams(max_tokens=6, temperature=0, logit_bias={3: 5.0}, min_tokens=3, logprobs=5),
+    ]
+    prompts, _ = _workload(seed=4, count=12)
+    engine_llm.generate(prompts, [varied[i % 4] for i in range(12)], use_tqdm=False)
+    runner = engine_llm.engine.runner
+    assert runner.guard.compiles_after_warmup == 0
+    used = {b for b, n in runner.bucket_counts.items() if n}
+    assert {b.penalties for b in used} == {False, True} and {b.truncation for b in used} == {False, True}
+    assert len({(b.num_tokens, b.num_seqs) for b in used}) >= 4

@@ -1,4 +1,4 @@
-"""The `jaxserve` command: `generate` (offline), `convert` (HF safetensors to Orbax).
+"""The `jaxserve` command: `generate` and `run-batch` (offline), `convert` (HF safetensors to Orbax).
 
 Bad input ends in one line on stderr and exit code 2, never a traceback.
 """
@@ -6,6 +6,7 @@ Bad input ends in one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -39,7 +40,16 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--request-seed", type=int, default=None, help="seed of every request's sampling")
+    generate.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the generation here")
     generate.set_defaults(handler=_generate)
+
+    batch = commands.add_parser("run-batch", help="run an OpenAI batch-style JSONL file of requests")
+    _add_engine_flags(batch)
+    batch.add_argument("-i", "--input-file", type=Path, required=True, help="JSONL: one request per line")
+    batch.add_argument("-o", "--output-file", type=Path, required=True, help="JSONL: one result per line")
+    batch.add_argument("--served-model-name", help="model name written into the results (default: the folder)")
+    batch.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the run here")
+    batch.set_defaults(handler=_run_batch)
 
     convert = commands.add_parser("convert", help="convert an HF safetensors folder into an Orbax checkpoint")
     convert.add_argument("hf_dir", type=Path)
@@ -83,16 +93,45 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.request_seed)
     llm = LLM(**settings.llm_kwargs())
     prompts = args.prompt or [DEMO_PROMPT]
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+    with _profiling(args.profile_dir):
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
     if settings.model is None:
         print("(built-in tiny random model: its output is noise; pass --model DIR for real weights)", file=sys.stderr)
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
         print(f"{prompt!r} -> {completion.text!r}  [{len(completion.token_ids)} tokens, {completion.finish_reason}]")
     return 0
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from jaxserve.entrypoints.batch_runner import run_batch
+    from jaxserve.entrypoints.llm import LLM
+
+    settings = _engine_settings(args)
+    if not args.input_file.is_file():
+        raise JaxserveError(f"batch input file not found: {args.input_file}")
+    llm = LLM(**settings.llm_kwargs())
+    name = args.served_model_name or (Path(settings.model).name if settings.model else "jaxserve-builtin")
+    with _profiling(args.profile_dir):
+        succeeded, failed = run_batch(llm, args.input_file, args.output_file, name)
+    print(f"wrote {succeeded + failed} results to {args.output_file} ({succeeded} succeeded, {failed} failed)")
+    return 0
+
+
+@contextlib.contextmanager
+def _profiling(profile_dir: Path | None):
+    """A JAX profiler trace (TensorBoard / Perfetto) of the block, when a folder is given."""
+    if profile_dir is None:
+        yield
+        return
+    import jax
+
+    with jax.profiler.trace(str(profile_dir)):
+        yield
+    print(f"profiler trace written to {profile_dir}", file=sys.stderr)
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -56,3 +56,15 @@ def test_bad_presets_name_the_problem(tmp_path, text, message):
     preset.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_settings(preset, {})
+
+
+def test_run_batch_and_profile_trace(tmp_path):
+    source, target, trace = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "trace"
+    source.write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 3}}\n'
+                      '{"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "Hi", "n": 0}}\n')
+    result = _jaxserve("run-batch", "--config", "configs/tiny-cpu.yaml", "-i", str(source), "-o", str(target),
+                       "--profile-dir", str(trace))
+    assert result.returncode == 0, result.stderr
+    assert "(1 succeeded, 1 failed)" in result.stdout
+    assert [line.count('"status_code": 200') for line in target.read_text().splitlines()] == [1, 0]
+    assert list(trace.rglob("*.xplane.pb")), "no profiler trace was written"

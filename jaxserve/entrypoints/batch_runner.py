@@ -1,0 +1,113 @@
+"""`jaxserve run-batch`: OpenAI batch-style JSONL in, one result line per request out (as `vllm run-batch`).
+
+Each input line is `{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body"}`.
+A bad line gets its own error result (status 400) and never stops the others; valid requests run together through
+the engine's continuous batching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, chat_completion_body, completion_body,
+                                              error_body, sampling_params_from_body)
+from jaxserve.entrypoints.prompts import TokenizedPrompt, check_prompt, tokenize_prompt
+from jaxserve.errors import InvalidRequestError, JaxserveError
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import flatten_text_content
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchItem:
+    """One input line, parsed."""
+
+    custom_id: str  # the caller's key for matching results to requests
+    chat: bool  # a chat completions request (else completions)
+    prompt: TokenizedPrompt | None  # None when the line is invalid
+    params: SamplingParams | None  # None when the line is invalid
+    error: dict[str, Any] | None  # OpenAI error body for an invalid line
+
+
+def run_batch(llm: LLM, input_path: Path, output_path: Path, model_name: str) -> tuple[int, int]:
+    """Runs every request of input_path and writes output_path; returns (succeeded, failed)."""
+    items = [_parse_line(llm, number, line) for number, line in _lines(input_path)]
+    valid = [item for item in items if item.error is None]
+    results = llm.generate([{"prompt_token_ids": list(i.prompt.token_ids)} for i in valid],
+                           [i.params for i in valid], use_tqdm=True) if valid else []
+    by_id = {id(item): result for item, result in zip(valid, results)}
+    with Path(output_path).open("w") as out:
+        for item in items:
+            out.write(json.dumps(_result_line(item, by_id.get(id(item)), model_name)) + "\n")
+    return len(valid), len(items) - len(valid)
+
+
+def _lines(path: Path):
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise JaxserveError(f"cannot read batch input {path}: {e.strerror}") from None
+    return [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
+    custom_id = f"line-{number}"
+    try:
+        request = json.loads(line)
+        if not isinstance(request, dict):
+            raise InvalidRequestError("each line must be a JSON object")
+        custom_id = str(request.get("custom_id", custom_id))
+        url, body = request.get("url"), request.get("body")
+        if url not in (COMPLETIONS_URL, CHAT_URL):
+            raise InvalidRequestError(f"url must be {COMPLETIONS_URL} or {CHAT_URL}, got {url!r}", param="url")
+        if not isinstance(body, dict):
+            raise InvalidRequestError("body must be a JSON object", param="body")
+        chat = url == CHAT_URL
+        prompt = _chat_prompt(llm, body) if chat else _completion_prompt(llm, body)
+        check_prompt(prompt, llm.model.config.vocab_size, llm.max_model_len)
+        params = sampling_params_from_body(body, chat, default_max_tokens=_default_max_tokens(llm, prompt, chat))
+        return BatchItem(custom_id, chat, prompt, params, None)
+    except json.JSONDecodeError as e:
+        return BatchItem(custom_id, False, None, None, error_body(f"line {number} is not valid JSON: {e.msg}"))
+    except JaxserveError as e:
+        return BatchItem(custom_id, False, None, None, error_body(str(e), getattr(e, "param", None)))
+
+
+def _completion_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return tokenize_prompt({"prompt_token_ids": prompt}, llm.tokenizer)
+    if not isinstance(prompt, str):
+        raise InvalidRequestError("prompt must be a string or a list of token ids (one prompt per line)",
+                                  param="prompt")
+    return tokenize_prompt(prompt, llm.tokenizer)
+
+
+def _chat_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    text = llm.tokenizer.apply_chat_template(flatten_text_content(messages), add_generation_prompt=True)
+    return tokenize_prompt(text, llm.tokenizer, add_special_tokens=False)
+
+
+def _default_max_tokens(llm: LLM, prompt: TokenizedPrompt, chat: bool) -> int:
+    # Chat fills the remaining context when max_tokens is absent (as vLLM does); completions default to OpenAI's 16.
+    return llm.max_model_len - len(prompt.token_ids) if chat else OPENAI_DEFAULT_MAX_TOKENS
+
+
+def _result_line(item: BatchItem, result, model_name: str) -> dict[str, Any]:
+    request_id = f"batch-{uuid.uuid4().hex}"
+    if item.error is not None:
+        response = {"status_code": 400, "request_id": request_id, "body": item.error}
+    else:
+        body = chat_completion_body(result, model_name) if item.chat else completion_body(result, model_name)
+        response = {"status_code": 200, "request_id": request_id, "body": body}
+    return {"id": request_id, "custom_id": item.custom_id, "response": response, "error": None}

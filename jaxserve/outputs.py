@@ -34,5 +34,8 @@ class RequestOutput:
     request_id: str  # caller-visible id, in submission order
     prompt: str | None  # the prompt text, when the prompt was given as text
     prompt_token_ids: tuple[int, ...]  # the tokens the model saw, BOS included
-    outputs: list[CompletionOutput]  # the continuations (one for now)
+    outputs: list[CompletionOutput]  # the continuations, one per SamplingParams.n
     finished: bool  # always True for offline results
+    # With prompt_logprobs: per prompt token, None for the first (nothing predicts it), then the token's own
+    # log-probability given the tokens before it, plus that many top candidates; None when not asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -3,6 +3,10 @@
 With async scheduling the host schedules and prepares step N+1 while the device runs step N; the only sync per step
 is reading back step N's sampled tokens. Requests using penalties need their previous token on the host, so a step
 that carries one waits for the step before it.
+
+Prompt log-probabilities (prompt_logprobs) arrive with the samples of the steps that compute the prompt, chunk by
+chunk; they are kept by prompt position, so a preempted request recomputing its prompt, or the n continuations of
+one prompt each computing it, fill each position once.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import jax
 import numpy as np
 
 from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from jaxserve.engine.sequence import Sequence
 from jaxserve.errors import InvalidRequestError
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import Logprob, RequestOutput
 from jaxserve.runner.host_sampler import SampledToken
-from jaxserve.runner.model_runner import ModelRunner, PendingStep, RunnerConfig, SampledBatch
+from jaxserve.runner.model_runner import ModelRunner, PendingStep, PromptScores, RunnerConfig, SampledBatch
 from jaxserve.runner.sampler import SamplingRow, uses_penalties
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -36,6 +41,21 @@ class _Tracked:
     prompt_token_ids: tuple[int, ...]  # what the model sees
     children: list[str]  # scheduler request ids of the continuations
     sequences: dict[str, Sequence]  # child id -> output assembly
+    num_prompt_top: int | None  # prompt_logprobs: top candidates per prompt token; None when not asked for
+    prompt_logprobs: dict[int, dict[int, Logprob]]  # prompt position (from 1) -> its candidates, filled chunk by chunk
+
+    def record_prompt_scores(self, scores: PromptScores, tokenizer: Tokenizer) -> None:
+        """Files one chunk's scores by prompt position; a position already filled (recomputed) keeps its first."""
+        for j in range(len(scores.token_ids)):
+            if scores.first_position + j not in self.prompt_logprobs:
+                token = _sampled_token(scores, j, self.num_prompt_top)
+                self.prompt_logprobs[scores.first_position + j] = candidate_logprobs(token, tokenizer)
+
+    def prompt_logprobs_output(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's form: None for the first prompt token (nothing predicts it), then each token's candidates."""
+        if self.num_prompt_top is None:
+            return None
+        return [None] + [self.prompt_logprobs[p] for p in range(1, len(self.prompt_token_ids))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +104,8 @@ class LLMEngine:
         self._check_runner_limits(params)
         children = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         base_seed = params.seed if params.seed is not None else int(self._draw_seeds.integers(2**32))
-        tracked = _Tracked(request_id, prompt, ids, children, {})
+        tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
+                           prompt_logprobs={})
         for index, child in enumerate(children):
             self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new))
             tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
@@ -112,7 +133,7 @@ class LLMEngine:
             self._in_flight = None
         else:
             finished = []
-        with jax.named_scope("schedule"):
+        with jax.profiler.TraceAnnotation("schedule"):
             schedule = self.scheduler.schedule()
         dispatched = None if schedule.is_empty else _InFlight(schedule, self._dispatch(schedule))
         if self._in_flight is not None:
@@ -138,6 +159,7 @@ class LLMEngine:
     def _complete(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Reads a step's samples back, hands them to the scheduler and to each sequence's output assembly."""
         batch = in_flight.step.fetch()
+        self._record_prompt_scores(in_flight.schedule, batch)
         sampled = {s.request_id: int(batch.token_ids[row])
                    for row, s in enumerate(in_flight.schedule.sequences) if s.samples and s.request_id in self._parent_of}
         self.scheduler.update_from_output(in_flight.schedule, sampled)
@@ -147,6 +169,12 @@ class LLMEngine:
                 output = self._append(scheduled.request_id, _sampled_token(batch, row, self._logprobs_of(scheduled)))
                 finished += [output] if output is not None else []
         return finished
+
+    def _record_prompt_scores(self, schedule: SchedulerOutput, batch: SampledBatch) -> None:
+        for row, scores in batch.prompt_scores.items():
+            parent = self._parent_of.get(schedule.sequences[row].request_id)
+            if parent is not None:  # else finished or aborted since the step was dispatched
+                self._tracked[parent].record_prompt_scores(scores, self.tokenizer)
 
     def _logprobs_of(self, scheduled) -> int:
         return self._tracked[self._parent_of[scheduled.request_id]].sequences[scheduled.request_id].params.logprobs or 0
@@ -164,7 +192,8 @@ class LLMEngine:
         del self._tracked[tracked.request_id]
         return RequestOutput(request_id=tracked.request_id, prompt=tracked.prompt,
                              prompt_token_ids=tracked.prompt_token_ids,
-                             outputs=[tracked.sequences[c].to_output() for c in tracked.children], finished=True)
+                             outputs=[tracked.sequences[c].to_output() for c in tracked.children], finished=True,
+                             prompt_logprobs=tracked.prompt_logprobs_output())
 
     def _forget(self, child: str) -> None:
         self._parent_of.pop(child, None)
@@ -201,11 +230,9 @@ class LLMEngine:
         if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias names a token outside the vocabulary [0, {self.vocab_size})",
                                       param="logit_bias")
-        if params.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt_logprobs is not supported yet", param="prompt_logprobs")
 
 
-def _sampled_token(batch: SampledBatch, row: int, num_top: int) -> SampledToken:
+def _sampled_token(batch: SampledBatch | PromptScores, row: int, num_top: int) -> SampledToken:
     top = tuple((int(t), float(lp)) for t, lp in zip(batch.top_ids[row, :num_top], batch.top_logprobs[row, :num_top]))
     return SampledToken(token_id=int(batch.token_ids[row]), logprob=float(batch.logprobs[row]),
                         rank=int(batch.ranks[row]), top=top)

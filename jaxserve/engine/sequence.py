@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.stop_strings import StopStringMatcher
 from jaxserve.outputs import CompletionOutput, Logprob
 from jaxserve.runner.host_sampler import SampledToken
@@ -78,9 +79,4 @@ class Sequence:
         if self.logprobs is None:
             return
         self.cumulative_logprob += sampled.logprob
-        ranked = {tid: Logprob(lp, rank + 1, self._piece(tid)) for rank, (tid, lp) in enumerate(sampled.top)}
-        ranked.setdefault(sampled.token_id, Logprob(sampled.logprob, sampled.rank, self._piece(sampled.token_id)))
-        self.logprobs.append(ranked)
-
-    def _piece(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        self.logprobs.append(candidate_logprobs(sampled, self._tokenizer))

@@ -13,6 +13,7 @@ from jaxserve.checkpoint import LoadedModel, load_model
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.kv_sizing import resolve_num_pages
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.prompts import (TokenizedPrompt, check_prompt, normalize_prompts, params_per_prompt,
                                           tokenize_prompt)
@@ -115,24 +116,29 @@ class LLM:
     def _run_reference(self, prompts: list[TokenizedPrompt], params: list[SamplingParams],
                        use_tqdm: bool) -> list[RequestOutput]:
         for p in params:
-            if p.n > 1 or p.prompt_logprobs is not None:
-                raise InvalidRequestError("the reference decoder supports neither n > 1 nor prompt_logprobs",
-                                          param="n" if p.n > 1 else "prompt_logprobs")
+            if p.n > 1:
+                raise InvalidRequestError("the reference decoder does not support n > 1", param="n")
         eos = self.tokenizer.eos_token_ids
         budgets = [min(p.max_tokens, self.max_model_len - len(t.token_ids)) for t, p in zip(prompts, params)]
         sequences = [GeneratingSequence(self.tokenizer, t.token_ids, p, n) for t, p, n in zip(prompts, params, budgets)]
         requests = [DecodeRequest(t.token_ids, p, n, eos) for t, p, n in zip(prompts, params, budgets)]
+        # None for the first prompt token (nothing predicts it); the decoder reports the others.
+        prompt_logprobs = [[None] if p.prompt_logprobs is not None else None for p in params]
+
+        def on_prompt_scores(index, scores) -> None:
+            prompt_logprobs[index] += [candidate_logprobs(token, self.tokenizer) for token in scores]
+
         with tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm) as bar:
             def on_token(index, token) -> bool:
                 sequence = sequences[index]
                 sequence.append(token)
                 bar.update(int(sequence.finished))
                 return sequence.finished
-            self._decoder.decode(requests, on_token)
+            self._decoder.decode(requests, on_token, on_prompt_scores)
         return [
             RequestOutput(request_id=str(next(self._request_ids)), prompt=t.text, prompt_token_ids=t.token_ids,
-                          outputs=[s.to_output()], finished=True)
-            for t, s in zip(prompts, sequences)
+                          outputs=[s.to_output()], finished=True, prompt_logprobs=scored)
+            for t, s, scored in zip(prompts, sequences, prompt_logprobs)
         ]
 
 

@@ -2,7 +2,8 @@
 
 It is deliberately simple (whole-batch prefill, one token per step, logits copied to the host, numpy sampling) and
 stays as the oracle that the paged continuous-batching engine is tested against. Shapes are padded to powers of two
-so a workload compiles a handful of programs, not one per prompt length.
+so a workload compiles a handful of programs, not one per prompt length. Prompt log-probabilities come from one more
+forward pass over the whole prompts that keeps the logits of every position.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from flax import nnx
 
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import DenseKVCache
-from jaxserve.runner.host_sampler import SampledToken, SamplingContext, sample
+from jaxserve.runner.host_sampler import SampledToken, SamplingContext, describe_token, sample
 from jaxserve.sampling_params import SamplingParams
 
 MIN_TOKEN_BUCKET = 16  # smallest padded prompt length
@@ -36,6 +37,9 @@ class DecodeRequest:
 
 # Called after every sampled token with (index in batch, token); returns True once that request is finished.
 TokenCallback = Callable[[int, SampledToken], bool]
+# Called before the first token of each request with prompt_logprobs set, with (index in batch, scores): scores[j] is
+# prompt token j + 1 with its log-probability given the tokens before it, its rank and prompt_logprobs top candidates.
+PromptScoresCallback = Callable[[int, list[SampledToken]], None]
 
 
 class DenseDecoder:
@@ -49,12 +53,32 @@ class DenseDecoder:
         self.max_batch = max_batch
         self._unseeded_rng = np.random.default_rng(seed)  # draws seeds for requests that bring none
         self._forward = jax.jit(functools.partial(_forward_at, graphdef), donate_argnames="cache")
+        self._all_logits = jax.jit(functools.partial(_logits_everywhere, graphdef))
 
-    def decode(self, requests: Sequence[DecodeRequest], on_token: TokenCallback) -> None:
-        """Decodes every request to completion, `max_batch` at a time, reporting each token through on_token."""
+    def decode(self, requests: Sequence[DecodeRequest], on_token: TokenCallback,
+               on_prompt_scores: PromptScoresCallback | None = None) -> None:
+        """Decodes every request to completion, `max_batch` at a time, reporting each token through on_token.
+
+        With on_prompt_scores, the requests asking for prompt_logprobs get their prompt scored through it first.
+        """
         for start in range(0, len(requests), self.max_batch):
             chunk = requests[start:start + self.max_batch]
+            if on_prompt_scores is not None:
+                self._score_prompts(chunk, lambda i, scores, base=start: on_prompt_scores(base + i, scores))
             self._decode_batch(chunk, lambda i, tok, base=start: on_token(base + i, tok))
+
+    def _score_prompts(self, requests: Sequence[DecodeRequest], on_prompt_scores: PromptScoresCallback) -> None:
+        """Scores the prompts of the requests asking for it, from one forward pass over every prompt of the batch."""
+        scoring = [i for i, r in enumerate(requests) if r.params.prompt_logprobs is not None]
+        if not scoring:
+            return
+        tokens, positions, _ = _prefill_inputs(requests, _bucket(len(requests), 1))
+        logits = np.asarray(self._all_logits(self.params, tokens, positions,
+                                             self._empty_cache(*tokens.shape)))  # f32[batch, tokens, vocab]
+        for i in scoring:
+            prompt, num_top = requests[i].prompt_ids, requests[i].params.prompt_logprobs
+            # Position p - 1's logits predict prompt token p.
+            on_prompt_scores(i, [describe_token(logits[i, p - 1], prompt[p], num_top) for p in range(1, len(prompt))])
 
     def _decode_batch(self, requests: Sequence[DecodeRequest], on_token: TokenCallback) -> None:
         batch = _bucket(len(requests), 1)
@@ -120,6 +144,18 @@ def _forward_at(
     hidden, cache = model(tokens, positions, cache)
     rows = hidden[jnp.arange(hidden.shape[0]), last]  # f[batch, hidden]
     return model.logits(rows), cache
+
+
+def _logits_everywhere(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,  # i32[batch, tokens]
+    positions: jax.Array,  # i32[batch, tokens]
+    cache: DenseKVCache,  # empty, as long as tokens; dropped afterwards
+) -> jax.Array:  # f32[batch, tokens, vocab]
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(tokens, positions, cache)
+    return model.logits(hidden)
 
 
 def _bucket(n: int, minimum: int) -> int:

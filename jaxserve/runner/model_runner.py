@@ -4,6 +4,10 @@ Every bucket (token count × sequence rows × sampler variant) is compiled at st
 that the CompileGuard raises (or logs). The KV pool lives here and is donated through every step. Steps are
 dispatched asynchronously: `execute` returns at once with a `PendingStep`, whose sampled tokens start copying to
 the host right away, so the caller can schedule the next step while this one runs.
+
+A step holding chunks that score prompt tokens (prompt_logprobs) runs the bucket's prompt-logits variant, which also
+returns, for every token of those chunks, the log-probability of the next prompt token; the host reads them back
+together with the samples.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.paged_inputs import build_metadata
-from jaxserve.runner.sampler import SamplingRow, build_sampling_tensors, uses_penalties, uses_truncation
+from jaxserve.runner.sampler import (SamplerOutput, SamplingRow, build_sampling_tensors, uses_penalties,
+                                     uses_truncation)
 from jaxserve.runner.step import StepArrays, StepResult, run_step
 
 PENDING_TOKEN = -1  # a token id the previous step sampled on the device and the host has not seen yet
@@ -61,9 +66,32 @@ class ScheduledChunk(Protocol):
     start_position: int
     page_ids: tuple[int, ...]
     samples: bool
+    wants_prompt_logits: bool  # score the prompt token following each of this chunk's tokens
 
     @property
     def num_tokens(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """The prompt tokens one chunk scores, each predicted by the token before it: entry j is at first_position + j."""
+
+    first_position: int  # prompt position of entry 0: the chunk's start_position + 1
+    token_ids: np.ndarray  # i32[n]: the scored prompt tokens
+    logprobs: np.ndarray  # f32[n]: of each scored token, from the raw logits
+    ranks: np.ndarray  # i32[n]
+    top_ids: np.ndarray  # i32[n, max_logprobs]
+    top_logprobs: np.ndarray  # f32[n, max_logprobs]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PromptSpan:
+    """Where one chunk's scored prompt tokens sit in the flattened step."""
+
+    row: int  # the chunk's index in the step
+    first_token: int  # index in the step's T tokens of the chunk's first token
+    first_position: int  # prompt position it scores: the chunk's start_position + 1
+    count: int  # tokens scored: the chunk's tokens that have a following prompt token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,22 +103,26 @@ class SampledBatch:
     ranks: np.ndarray  # i32[n]
     top_ids: np.ndarray  # i32[n, max_logprobs]
     top_logprobs: np.ndarray  # f32[n, max_logprobs]
+    prompt_scores: dict[int, PromptScores] = dataclasses.field(default_factory=dict)  # row -> its prompt scores
 
 
 class PendingStep:
-    """A dispatched step; `fetch` waits for its samples (the only host sync of a step)."""
+    """A dispatched step; `fetch` waits for its samples and prompt scores (the only host sync of a step)."""
 
-    def __init__(self, result: StepResult, num_rows: int):
-        self._sampled = result.sampled
+    def __init__(self, result: StepResult, num_rows: int, prompt_spans: Sequence[_PromptSpan] = ()):
+        self._outputs = (result.sampled, result.prompt_scores)
         self._num_rows = num_rows
-        for leaf in jax.tree.leaves(self._sampled):
+        self._prompt_spans = prompt_spans
+        for leaf in jax.tree.leaves(self._outputs):
             leaf.copy_to_host_async()
 
     def fetch(self) -> SampledBatch:
-        host = jax.device_get(self._sampled)
+        with jax.profiler.TraceAnnotation("read_back"):
+            host, prompt = jax.device_get(self._outputs)
         n = self._num_rows
         return SampledBatch(token_ids=host.token_ids[:n], logprobs=host.logprobs[:n], ranks=host.ranks[:n],
-                            top_ids=host.top_ids[:n], top_logprobs=host.top_logprobs[:n])
+                            top_ids=host.top_ids[:n], top_logprobs=host.top_logprobs[:n],
+                            prompt_scores={span.row: _span_scores(prompt, span) for span in self._prompt_spans})
 
 
 class ModelRunner:
@@ -149,18 +181,21 @@ class ModelRunner:
             sum(c.num_tokens for c in chunks), len(chunks),
             penalties=any(uses_penalties(r.params) for r in rows),
             truncation=any(uses_truncation(r.params) for r in rows if not r.params.greedy),
+            prompt_logits=any(c.wants_prompt_logits for c in chunks),
         )
         return bucket, self._step_arrays(chunks, rows, bucket)
 
     def _execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> PendingStep:
-        with jax.named_scope("prepare"):
+        # Host spans in profiler traces; the device side carries the step's own named scopes.
+        with jax.profiler.TraceAnnotation("prepare"):
             bucket, host_arrays = self.prepare(chunks, rows)
             arrays = jax.device_put(host_arrays)
-        result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, arrays)
+        with jax.profiler.TraceAnnotation("step"):
+            result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, arrays)
         self.bucket_counts[bucket] += 1
         self._last_tokens = result.last_tokens
         self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
-        return PendingStep(result, len(chunks))
+        return PendingStep(result, len(chunks), _prompt_spans(chunks, rows) if bucket.prompt_logits else ())
 
     def _step_arrays(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
                      bucket: StepBucket) -> StepArrays:
@@ -180,7 +215,9 @@ class ModelRunner:
                                 max_pages=self.config.max_pages_per_seq, page_size=self.config.page_size)
         return StepArrays(token_ids=token_ids, pending_rows=pending_rows, positions=inputs.positions,
                           metadata=inputs.metadata, sample_index=sample_index,
-                          sampling=self._sampling_tensors(rows, bucket))
+                          sampling=self._sampling_tensors(rows, bucket),
+                          prompt_targets=_prompt_targets(chunks, rows, bucket.num_tokens) if bucket.prompt_logits
+                          else None)
 
     def _sampling_tensors(self, rows: Sequence[SamplingRow], bucket: StepBucket):
         return build_sampling_tensors(
@@ -193,3 +230,33 @@ class ModelRunner:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""
         return self._step_arrays([], [], bucket)
 
+
+def _prompt_spans(chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> list[_PromptSpan]:
+    """The chunks that score prompt tokens, each with its tokens that have a following prompt token.
+
+    The scheduler marks a chunk only while it starts before the prompt's last token, so each span has one at least.
+    """
+    spans, first = [], 0
+    for row, (chunk, sampling) in enumerate(zip(chunks, rows)):
+        if chunk.wants_prompt_logits:
+            count = min(chunk.num_tokens, len(sampling.prompt_ids) - 1 - chunk.start_position)
+            spans.append(_PromptSpan(row, first, chunk.start_position + 1, count))
+        first += chunk.num_tokens
+    return spans
+
+
+def _prompt_targets(chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow], num_tokens: int) -> np.ndarray:
+    """i32[T]: the prompt token each scoring chunk's token predicts; 0 where nothing is scored."""
+    targets = np.zeros(num_tokens, np.int32)
+    for span in _prompt_spans(chunks, rows):
+        scored = rows[span.row].prompt_ids[span.first_position:span.first_position + span.count]
+        targets[span.first_token:span.first_token + span.count] = scored
+    return targets
+
+
+def _span_scores(scores: SamplerOutput, span: _PromptSpan) -> PromptScores:
+    """One chunk's share of a step's prompt scores (host arrays over the step's T tokens)."""
+    tokens = slice(span.first_token, span.first_token + span.count)
+    return PromptScores(first_position=span.first_position, token_ids=scores.token_ids[tokens],
+                        logprobs=scores.logprobs[tokens], ranks=scores.ranks[tokens],
+                        top_ids=scores.top_ids[tokens], top_logprobs=scores.top_logprobs[tokens])

@@ -134,7 +134,7 @@ def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -
     if tensors.penalties is not None:
         processed = _apply_penalties(processed, tensors.penalties)
     token_ids = jnp.where(tensors.greedy, jnp.argmax(processed, axis=-1), _draw(processed, tensors))  # i32[S]
-    return _report(raw_logprobs, token_ids.astype(jnp.int32), num_top_logprobs)
+    return describe_tokens(raw_logprobs, token_ids.astype(jnp.int32), num_top_logprobs)
 
 
 def _apply_min_tokens(logits: jax.Array, tensors: SamplingTensors) -> jax.Array:  # f32[S, V]
@@ -197,7 +197,8 @@ def _truncate(scaled: jax.Array, truncation: TruncationTensors) -> jax.Array:  #
     return jnp.where(scaled >= floor, scaled, -jnp.inf)
 
 
-def _report(raw_logprobs: jax.Array, token_ids: jax.Array, num_top: int) -> SamplerOutput:
+def describe_tokens(raw_logprobs: jax.Array, token_ids: jax.Array, num_top: int) -> SamplerOutput:
+    """Log-probability and rank of token_ids i32[S] under raw_logprobs f32[S, V], with the num_top best per row."""
     token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)  # f32[S, 1]
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top)  # f32[S, K], i32[S, K]; ties: lowest id first
     return SamplerOutput(

@@ -1,4 +1,4 @@
-"""The jitted engine step: embeddings → layers over the paged pool → logits at the sampled rows → sampling.
+"""The jitted engine step: embeddings → layers → logits at the sampled rows → sampler (→ prompt-token scores).
 
 A pure function of (weights, pool, step arrays); the pool is donated, so the KV writes happen in place.
 """
@@ -11,8 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, PagedKVCache
-from jaxserve.runner.sampler import SamplerOutput, SamplingTensors, sample
+from jaxserve.runner.sampler import SamplerOutput, SamplingTensors, describe_tokens, sample
+
+# Logits rows materialised at once when scoring prompt tokens: memory stays at tile × vocab floats for any T.
+PROMPT_SCORE_TILE = 128
 
 
 @jax.tree_util.register_dataclass
@@ -26,6 +30,9 @@ class StepArrays:
     metadata: PagedAttentionMetadata  # where tokens write and what they attend to
     sample_index: jax.Array  # i32[S]: the token whose logits row s samples (the last of its chunk)
     sampling: SamplingTensors  # per-row sampling settings
+    # i32[T]: the prompt token following each token, 0 where none is scored; None (another compiled variant): no
+    # chunk of the step scores prompt tokens
+    prompt_targets: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -35,6 +42,7 @@ class StepResult:
 
     sampled: SamplerOutput  # one sampled token (with log-probabilities) per sequence row
     last_tokens: jax.Array  # i32[max_rows]: sampled ids padded to a fixed width, fed to the next step's pending tokens
+    prompt_scores: SamplerOutput | None  # per token (T rows): its prompt_targets entry scored; None without targets
 
 
 def run_step(
@@ -55,4 +63,27 @@ def run_step(
     with jax.named_scope("sample"):
         sampled = sample(logits, arrays.sampling, num_top_logprobs)
     last_tokens = jnp.zeros_like(previous_tokens).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
-    return StepResult(sampled=sampled, last_tokens=last_tokens), pool.without_metadata()
+    prompt_scores = None
+    if arrays.prompt_targets is not None:
+        with jax.named_scope("prompt_scores"):
+            prompt_scores = score_next_tokens(model, hidden[0], arrays.prompt_targets, num_top_logprobs)
+    return StepResult(sampled=sampled, last_tokens=last_tokens, prompt_scores=prompt_scores), pool.without_metadata()
+
+
+def score_next_tokens(
+    model: LlamaForCausalLM,
+    hidden: jax.Array,  # f[T, hidden]: final hidden states of every token of the step
+    targets: jax.Array,  # i32[T]: the token to score after each one
+    num_top: int,  # static: K
+) -> SamplerOutput:  # T rows: each target's raw log-probability and rank, and the top K
+    """Raw log-probabilities of every token's successor, tile by tile so that no f32[T, vocab] is ever whole."""
+    tile = min(hidden.shape[0], PROMPT_SCORE_TILE)  # T and the tile are powers of two: tiles cover T exactly
+    tiles = (hidden.reshape(-1, tile, hidden.shape[-1]), targets.reshape(-1, tile))  # f[T/tile, tile, hidden], i32
+
+    def score_tile(tile_inputs: tuple[jax.Array, jax.Array]) -> SamplerOutput:
+        rows, ids = tile_inputs  # f[tile, hidden], i32[tile]
+        logprobs = jax.nn.log_softmax(model.logits(rows), axis=-1)  # f32[tile, vocab]
+        return describe_tokens(logprobs, ids, num_top)
+
+    scored = jax.lax.map(score_tile, tiles)  # leaves [T/tile, tile, ...]
+    return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), scored)

@@ -16,7 +16,7 @@ Then `--cycles` cycles are timed phase by phase, each phase being what the engin
 
 The product target (<= 1 ms at 256 sequences) is on schedule + rows + prepare, the numpy work between deciding a
 step and dispatching it; transfer, update and outputs are reported beside it because the host does them once per
-step as well. The rows phase copies each request's output ids, as the engine does, so it grows with output length.
+step as well. The rows phase is the engine's own `sampling_row` for every scheduled sequence.
 Cycles here run schedule after update, so decode tokens are known ids; in the overlapped engine they are
 PENDING_TOKEN placeholders, which costs `prepare` one dictionary lookup per sequence more.
 
@@ -61,6 +61,7 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from jaxserve.engine.sequence import Sequence
 from jaxserve.runner.host_sampler import SampledToken
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
+from jaxserve.engine.llm_engine import sampling_row
 from jaxserve.runner.sampler import SamplingRow
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
@@ -139,13 +140,8 @@ def build_host_bench(model: LoadedModel, tokenizer: Tokenizer, args: argparse.Na
 
 def sampling_rows(bench: HostBench, schedule: SchedulerOutput) -> list[SamplingRow]:
     """What the engine hands the runner for each scheduled sequence."""
-    rows = []
-    for scheduled in schedule.sequences:
-        request = bench.scheduler.get_request(scheduled.request_id)
-        rows.append(SamplingRow(params=request.params, prompt_ids=request.prompt_token_ids,
-                                output_ids=tuple(request.output_token_ids), eos_token_ids=bench.eos_token_ids,
-                                seed=0, step=request.num_output_tokens))
-    return rows
+    return [sampling_row(bench.scheduler.get_request(s.request_id), bench.eos_token_ids, seed=0)
+            for s in schedule.sequences]
 
 
 def fake_samples(bench: HostBench, schedule: SchedulerOutput) -> dict[str, int]:

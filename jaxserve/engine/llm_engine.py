@@ -152,9 +152,7 @@ class LLMEngine:
         return self.runner.execute(schedule.sequences, rows)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
-        return SamplingRow(params=request.params, prompt_ids=request.prompt_token_ids,
-                           output_ids=tuple(request.output_token_ids), eos_token_ids=self.tokenizer.eos_token_ids,
-                           seed=self._seeds[request.request_id], step=request.num_output_tokens)
+        return sampling_row(request, self.tokenizer.eos_token_ids, self._seeds[request.request_id])
 
     def _complete(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Reads a step's samples back, hands them to the scheduler and to each sequence's output assembly."""
@@ -230,6 +228,14 @@ class LLMEngine:
         if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias names a token outside the vocabulary [0, {self.vocab_size})",
                                       param="logit_bias")
+
+
+def sampling_row(request: Request, eos_token_ids: tuple[int, ...], seed: int) -> SamplingRow:
+    """What the runner needs of a request to sample its next token."""
+    return SamplingRow(params=request.params, prompt_ids=request.prompt_token_ids,
+                       # The live list, not a copy: the row becomes arrays before the request changes.
+                       output_ids=request.output_token_ids, eos_token_ids=eos_token_ids, seed=seed,
+                       step=request.num_output_tokens)
 
 
 def _sampled_token(batch: SampledBatch | PromptScores, row: int, num_top: int) -> SampledToken:

@@ -121,7 +121,9 @@ class Scheduler:
             raise RuntimeError(f"steps {sorted(self._steps_in_flight)} await update_from_output(); "
                                "at most one step may be in flight when scheduling the next")
         plan = _StepPlan(self.config.max_num_batched_tokens)
-        batch_in_progress = bool(self._running)
+        # A static batch stays open until its first token exists, so it fills up even when the prompts of one
+        # batch take several steps' token budgets to prefill.
+        batch_in_progress = any(r.num_output_tokens for r in self._running)
         self._schedule_running(plan)
         if not plan.preempted_ids and not (self.config.static_batching and batch_in_progress):
             self._admit_waiting(plan)

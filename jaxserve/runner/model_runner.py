@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import os
 from collections.abc import Sequence
 from typing import Protocol
@@ -30,7 +31,7 @@ from jaxserve.model.config import LlamaConfig
 from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
-from jaxserve.runner.paged_inputs import build_metadata
+from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
 from jaxserve.runner.sampler import (SamplerOutput, SamplingRow, build_sampling_tensors, uses_penalties,
                                      uses_truncation)
 from jaxserve.runner.step import StepArrays, StepResult, run_step
@@ -199,18 +200,20 @@ class ModelRunner:
 
     def _step_arrays(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
                      bucket: StepBucket) -> StepArrays:
+        layout = ChunkLayout.of(chunks)
+        total = layout.num_tokens
+        flat_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, total)
+        pending = flat_ids == PENDING_TOKEN  # bool[total]
         token_ids = np.zeros(bucket.num_tokens, np.int32)
+        token_ids[:total] = np.where(pending, 0, flat_ids)
         pending_rows = np.full(bucket.num_tokens, -1, np.int32)
+        if pending.any():
+            source_rows = np.fromiter((self._last_rows.get(c.request_id, -1) for c in chunks), np.int32, len(chunks))
+            pending_rows[:total] = np.where(pending, source_rows[layout.token_rows], -1)
+            if (pending_rows[:total][pending] < 0).any():
+                raise RuntimeError("a pending token has no sample in the previous step")
         sample_index = np.zeros(bucket.num_seqs, np.int32)
-        first = 0
-        for row, chunk in enumerate(chunks):
-            ids = np.asarray(chunk.token_ids, np.int32)
-            pending = ids == PENDING_TOKEN
-            token_ids[first:first + len(ids)] = np.where(pending, 0, ids)
-            if pending.any():
-                pending_rows[first:first + len(ids)][pending] = self._last_rows[chunk.request_id]
-            first += len(ids)
-            sample_index[row] = first - 1
+        sample_index[: len(chunks)] = layout.last_token
         inputs = build_metadata(chunks, num_tokens=bucket.num_tokens, num_seqs=bucket.num_seqs,
                                 max_pages=self.config.max_pages_per_seq, page_size=self.config.page_size)
         return StepArrays(token_ids=token_ids, pending_rows=pending_rows, positions=inputs.positions,

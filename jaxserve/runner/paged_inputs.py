@@ -8,6 +8,7 @@ step's buckets) and the token positions, ready for one `jax.device_put`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -48,42 +49,76 @@ def build_metadata(chunks: Sequence[ScheduledChunk], *, num_tokens: int, num_seq
 
     Row i holds chunks[i]; the remaining rows are padding (length 0, null pages). Padding tokens after the real
     ones never write (their slot is dropped) and point at the first padding row, or at the last row when none is
-    spare, so a full bucket of sequences needs no extra row.
+    spare, so a full bucket of sequences needs no extra row. Whole-array numpy: the host's cost per step must stay
+    well under a millisecond at hundreds of sequences.
     """
-    _check_fits(chunks, num_tokens, num_seqs, max_pages, page_size)
+    layout = ChunkLayout.of(chunks)
+    _check_fits(layout, chunks, num_tokens, num_seqs, max_pages, page_size)
+    n, total = len(chunks), layout.num_tokens
+    block_tables = np.full((num_seqs, max_pages), NULL_PAGE, np.int32)
+    page_counts = np.fromiter((len(c.page_ids) for c in chunks), np.int32, n)  # i32[n]
+    page_rows = np.repeat(np.arange(n, dtype=np.int32), page_counts)
+    page_cols = np.arange(page_counts.sum(), dtype=np.int32) - np.repeat(np.cumsum(page_counts) - page_counts,
+                                                                         page_counts)
+    block_tables[page_rows, page_cols] = np.fromiter(itertools.chain.from_iterable(c.page_ids for c in chunks),
+                                                     np.int32, int(page_counts.sum()))
     positions = np.zeros(num_tokens, np.int32)
+    positions[:total] = layout.positions
     slot_mapping = np.full(num_tokens, PADDING_SLOT, np.int32)
+    pages_of_tokens = block_tables[layout.token_rows, layout.positions // page_size]  # i32[total]
+    slot_mapping[:total] = pages_of_tokens * page_size + layout.positions % page_size
     # Padding tokens read the first padding row (length 0: zero output); with no spare row, the last real row, where
     # at position 0 they read one cached slot: finite, and their outputs are never used.
-    token_seq = np.full(num_tokens, min(len(chunks), num_seqs - 1), np.int32)
-    block_tables = np.full((num_seqs, max_pages), NULL_PAGE, np.int32)
+    token_seq = np.full(num_tokens, min(n, num_seqs - 1), np.int32)
+    token_seq[:total] = layout.token_rows
     seq_lens = np.zeros(num_seqs, np.int32)
-    first = 0  # index of the chunk's first token in the flattened batch
-    for row, chunk in enumerate(chunks):
-        pages = np.asarray(chunk.page_ids, np.int32)  # i32[pages of this sequence]
-        chunk_positions = np.arange(chunk.start_position, chunk.start_position + chunk.num_tokens, dtype=np.int32)
-        tokens = slice(first, first + chunk.num_tokens)
-        positions[tokens] = chunk_positions
-        slot_mapping[tokens] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
-        token_seq[tokens] = row
-        block_tables[row, : len(pages)] = pages
-        seq_lens[row] = chunk.start_position + chunk.num_tokens
-        first += chunk.num_tokens
+    seq_lens[:n] = layout.starts + layout.counts
     metadata = PagedAttentionMetadata(slot_mapping=slot_mapping, token_seq=token_seq, block_tables=block_tables,
                                       seq_lens=seq_lens)
     return PagedInputs(positions=positions, metadata=metadata)
 
 
-def _check_fits(chunks: Sequence[ScheduledChunk], num_tokens: int, num_seqs: int, max_pages: int,
-                page_size: int) -> None:
-    total = sum(chunk.num_tokens for chunk in chunks)
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """Where each chunk's tokens sit in the flattened batch (host arrays over the n real chunks)."""
+
+    starts: np.ndarray  # i32[n]: position of each chunk's first token in its sequence
+    counts: np.ndarray  # i32[n]: tokens per chunk
+    first_token: np.ndarray  # i32[n]: index of each chunk's first token in the batch
+    token_rows: np.ndarray  # i32[total]: the chunk (row) of every real token
+    positions: np.ndarray  # i32[total]: every real token's position in its sequence
+
+    @classmethod
+    def of(cls, chunks: Sequence[ScheduledChunk]) -> ChunkLayout:
+        n = len(chunks)
+        starts = np.fromiter((c.start_position for c in chunks), np.int32, n)
+        counts = np.fromiter((c.num_tokens for c in chunks), np.int32, n)
+        first_token = (np.cumsum(counts) - counts).astype(np.int32)
+        token_rows = np.repeat(np.arange(n, dtype=np.int32), counts)
+        offsets = np.arange(counts.sum(), dtype=np.int32) - first_token[token_rows]  # i32[total]: index in chunk
+        return cls(starts, counts, first_token, token_rows, starts[token_rows] + offsets)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def last_token(self) -> np.ndarray:  # i32[n]: index of each chunk's last token in the batch
+        return self.first_token + self.counts - 1
+
+
+def _check_fits(layout: ChunkLayout, chunks: Sequence[ScheduledChunk], num_tokens: int, num_seqs: int,
+                max_pages: int, page_size: int) -> None:
+    total = layout.num_tokens
     if total > num_tokens or len(chunks) > num_seqs:
         raise ValueError(f"{len(chunks)} sequences with {total} tokens do not fit buckets of "
                          f"{num_seqs} sequences and {num_tokens} tokens")
-    for chunk in chunks:
-        needed = -(-(chunk.start_position + chunk.num_tokens) // page_size)
-        if not needed <= len(chunk.page_ids) <= max_pages:
-            raise ValueError(f"a sequence of {chunk.start_position + chunk.num_tokens} tokens needs {needed} pages; "
-                             f"it has {len(chunk.page_ids)} and a block table holds {max_pages}")
-        if NULL_PAGE in chunk.page_ids:
-            raise ValueError("page 0 is the null page and cannot belong to a sequence")
+    needed = -(-(layout.starts + layout.counts) // page_size)  # i32[n]
+    held = np.fromiter((len(c.page_ids) for c in chunks), np.int32, len(chunks))
+    bad = np.flatnonzero((held < needed) | (held > max_pages))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"a sequence of {int(layout.starts[i] + layout.counts[i])} tokens needs {int(needed[i])} "
+                         f"pages; it has {int(held[i])} and a block table holds {max_pages}")
+    if any(NULL_PAGE in c.page_ids for c in chunks):
+        raise ValueError("page 0 is the null page and cannot belong to a sequence")

@@ -42,13 +42,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import time
 import zlib
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -65,6 +62,7 @@ from jaxserve.engine.llm_engine import sampling_row
 from jaxserve.runner.sampler import SamplingRow
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
+from bench_machine import machine_description
 
 PHASES = ("schedule", "rows", "prepare", "transfer", "update", "outputs")
 DISPATCH_PHASES = ("schedule", "rows", "prepare")  # the product target's span
@@ -268,16 +266,6 @@ def alternated(engines: dict[str, LLMEngine], round_index: int) -> list[tuple[st
 
 
 # Report.
-
-def machine_description() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "jax_backend": jax.default_backend(),
-        "device": jax.devices()[0].device_kind,
-        "jax_version": jax.__version__,
-    }
-
 
 def format_host_table(summary: dict[int, dict[str, dict[str, float]]]) -> str:
     names = list(next(iter(summary.values())))

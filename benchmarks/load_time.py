@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -26,6 +25,7 @@ import jax
 
 from jaxserve.checkpoint import convert_hf_to_orbax, load_model
 from jaxserve.checkpoint.safetensors_writer import save_random_llama
+from bench_machine import machine_description
 
 BENCHMARK_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -105,17 +105,6 @@ def run_rounds(workdir: Path, dtype: str, rounds: int, cache: str) -> dict[str, 
         for source in SOURCES:
             times[source].append(timed_load(folders[source], dtype, cache))
     return times
-
-
-def machine_description() -> dict[str, Any]:
-    device = jax.devices()[0]
-    return {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "jax_backend": jax.default_backend(),
-        "device": device.device_kind,
-        "jax_version": jax.__version__,
-    }
 
 
 def format_table(times: dict[str, dict[str, list[float]]], checkpoint_bytes: int) -> str:

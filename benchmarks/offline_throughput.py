@@ -39,15 +39,12 @@ import collections
 import dataclasses
 import json
 import multiprocessing
-import os
-import platform
 import statistics
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxserve.checkpoint import load_model
@@ -55,6 +52,7 @@ from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import load_tokenizer
+from bench_machine import machine_description
 
 MODES = ("continuous", "static", "continuous-no-overlap")
 BASELINE = "static"
@@ -273,16 +271,6 @@ def summarize(results: dict[str, list[RunResult]]) -> dict[str, dict[str, float]
             "wall_s": statistics.median(r.wall_s for r in runs),
         }
     return summary
-
-
-def machine_description() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "jax_backend": jax.default_backend(),
-        "device": jax.devices()[0].device_kind,
-        "jax_version": jax.__version__,
-    }
 
 
 def format_table(summary: dict[str, dict[str, float]], ratios_vs_static: dict[str, list[float]],

@@ -43,7 +43,7 @@ def test_engine_greedy_tokens_equal_the_reference(reference_outputs, switches):
     prompts, params = _workload()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
-    assert llm.engine.runner.guard.compiles_after_warmup == 0
+    assert llm.engine.compiles_after_warmup == 0
 
 
 def test_preemption_by_recompute_keeps_outputs_exact(reference_outputs):

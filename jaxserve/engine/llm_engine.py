@@ -126,6 +126,11 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    @property
+    def compiles_after_warmup(self) -> int:
+        """XLA compiles since start-up finished; anything but 0 is a bug (logged when raising is switched off)."""
+        return self.runner.guard.compiles_after_warmup
+
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that finished in it."""
         if self._in_flight is not None and not self._may_overlap():

@@ -18,7 +18,9 @@ class EngineConfig:
     max_num_seqs: int = 16  # most sequences in one step
     max_num_batched_tokens: int = 512  # most tokens (decode + prefill chunks) in one step
     page_size: int = 16  # tokens per KV page (a power of two)
-    num_kv_pages: int = 1024  # pages in the pool, the null page included
+    num_kv_pages: int | None = None  # pages in the pool, the null page included; None: sized from memory
+    kv_cache_memory_gb: float | None = None  # pool size in GiB, when num_kv_pages is None
+    gpu_memory_utilization: float = 0.9  # share of device memory for weights, workspace and pool (automatic sizing)
     enable_prefix_caching: bool = True  # reuse the KV pages of shared prompt prefixes
     enable_chunked_prefill: bool = True  # split long prompts over steps
     async_scheduling: bool = True  # schedule step N+1 while the device runs step N
@@ -34,5 +36,7 @@ class EngineConfig:
             raise ConfigError(f"max_tokens_policy must be 'cap' or 'reject', got {self.max_tokens_policy!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_kv_pages"):
             value = getattr(self, name)
+            if name == "num_kv_pages" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -14,30 +14,35 @@ def bytes_per_page(model: LlamaConfig, page_size: int, dtype) -> int:
     return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * page_size * itemsize
 
 
+def device_memory_stats() -> dict | None:
+    """The first device's allocator statistics; None where the backend keeps none (the CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    return stats if stats and "bytes_limit" in stats else None
+
+
 def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs: int, max_model_len: int,
-                      num_kv_pages: int | None, kv_cache_memory_gb: float | None,
-                      gpu_memory_utilization: float) -> int:
+                      num_kv_pages: int | None, kv_cache_memory_gb: float | None, gpu_memory_utilization: float,
+                      memory_stats: dict | None, workspace_bytes: int = 0) -> int:
     """Pages in the pool, the null page included.
 
     Explicit `num_kv_pages` wins; then `kv_cache_memory_gb`; then, on a device that reports memory, the share
-    `gpu_memory_utilization` of its memory minus what is already in use (the weights); elsewhere (the CPU) enough
-    pages for max_num_seqs sequences of max_model_len tokens.
+    `gpu_memory_utilization` of its memory minus what is already in use (the weights) and minus the activation
+    workspace of the largest compiled step; elsewhere (the CPU) enough pages for max_num_seqs full sequences.
     """
     per_page = bytes_per_page(model, page_size, dtype)
     if num_kv_pages is not None:
         pages = num_kv_pages
     elif kv_cache_memory_gb is not None:
         pages = int(kv_cache_memory_gb * 2**30 // per_page) + 1
+    elif memory_stats is not None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        budget = (memory_stats["bytes_limit"] * gpu_memory_utilization - memory_stats.get("bytes_in_use", 0)
+                  - workspace_bytes)
+        pages = int(budget // per_page) + 1
     else:
-        stats = jax.devices()[0].memory_stats()
-        if stats and "bytes_limit" in stats:
-            if not 0 < gpu_memory_utilization <= 1:
-                raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-            budget = stats["bytes_limit"] * gpu_memory_utilization - stats.get("bytes_in_use", 0)
-            pages = int(budget // per_page) + 1
-        else:
-            pages = max_num_seqs * -(-max_model_len // page_size) + 1
+        pages = max_num_seqs * -(-max_model_len // page_size) + 1
     if pages < 2:
         raise ConfigError(f"the KV cache gets {pages} pages of {per_page} bytes: not enough for one page; "
-                          "lower max_model_len or give the cache more memory")
+                          "lower max_model_len or max_num_batched_tokens, or give the cache more memory")
     return pages

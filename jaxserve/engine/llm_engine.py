@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.kv_sizing import device_memory_stats, resolve_num_pages
 from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
@@ -26,7 +27,8 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import Logprob, RequestOutput
 from jaxserve.runner.host_sampler import SampledToken
-from jaxserve.runner.model_runner import ModelRunner, PendingStep, PromptScores, RunnerConfig, SampledBatch
+from jaxserve.runner.model_runner import (ModelRunner, PendingStep, PromptScores, RunnerConfig, SampledBatch,
+                                          largest_step_workspace_bytes)
 from jaxserve.runner.sampler import SamplingRow, uses_penalties
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -74,17 +76,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         _enable_compilation_cache(config)
+        num_pages = _pool_pages(model, config)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, page_size=config.page_size, num_pages=config.num_kv_pages,
+            max_model_len=config.max_model_len, page_size=config.page_size, num_pages=num_pages,
             enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
             static_batching=config.static_batching,
         ))
-        self.runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype, RunnerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, page_size=config.page_size, num_pages=config.num_kv_pages,
-            attention_backend=config.attention_backend, raise_on_compile=config.raise_on_compile,
-        ))
+        self.runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype,
+                                  _runner_config(config, num_pages))
         self.runner.warm_up(progress)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
@@ -247,6 +247,28 @@ def _sampled_token(batch: SampledBatch | PromptScores, row: int, num_top: int) -
     top = tuple((int(t), float(lp)) for t, lp in zip(batch.top_ids[row, :num_top], batch.top_logprobs[row, :num_top]))
     return SampledToken(token_id=int(batch.token_ids[row]), logprob=float(batch.logprobs[row]),
                         rank=int(batch.ranks[row]), top=top)
+
+
+def _runner_config(config: EngineConfig, num_pages: int) -> RunnerConfig:
+    return RunnerConfig(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len, page_size=config.page_size, num_pages=num_pages,
+        attention_backend=config.attention_backend, raise_on_compile=config.raise_on_compile,
+    )
+
+
+def _pool_pages(model, config: EngineConfig) -> int:
+    """The pool's size; sized from device memory, it leaves room for the largest step's activation workspace."""
+    stats = device_memory_stats() if config.num_kv_pages is None and config.kv_cache_memory_gb is None else None
+    workspace = 0
+    if stats is not None:
+        workspace = largest_step_workspace_bytes(model.config, model.graphdef, model.params, model.dtype,
+                                                 _runner_config(config, num_pages=2))
+    return resolve_num_pages(model.config, model.dtype, page_size=config.page_size,
+                             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                             num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
+                             gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
+                             workspace_bytes=workspace)
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:

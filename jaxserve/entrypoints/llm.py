@@ -11,7 +11,6 @@ from tqdm.auto import tqdm
 
 from jaxserve.checkpoint import LoadedModel, load_model
 from jaxserve.engine.engine_config import EngineConfig
-from jaxserve.engine.kv_sizing import resolve_num_pages
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.sequence import Sequence as GeneratingSequence
@@ -54,13 +53,10 @@ class LLM:
             self.engine = None
             return
         self._decoder = None
-        pages = resolve_num_pages(self.model.config, self.model.dtype, page_size=block_size,
-                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                                  num_kv_pages=num_kv_pages, kv_cache_memory_gb=kv_cache_memory_gb,
-                                  gpu_memory_utilization=gpu_memory_utilization)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, page_size=block_size, num_kv_pages=pages,
+            max_num_batched_tokens=max_num_batched_tokens, page_size=block_size, num_kv_pages=num_kv_pages,
+            kv_cache_memory_gb=kv_cache_memory_gb, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=async_scheduling, max_tokens_policy=max_tokens_policy,
             attention_backend=attention_backend, seed=seed,

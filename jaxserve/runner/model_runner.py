@@ -263,3 +263,18 @@ def _span_scores(scores: SamplerOutput, span: _PromptSpan) -> PromptScores:
     return PromptScores(first_position=span.first_position, token_ids=scores.token_ids[tokens],
                         logprobs=scores.logprobs[tokens], ranks=scores.ranks[tokens],
                         top_ids=scores.top_ids[tokens], top_logprobs=scores.top_logprobs[tokens])
+
+
+def largest_step_workspace_bytes(model_config: LlamaConfig, graphdef: nnx.GraphDef, params: nnx.State, dtype,
+                                 config: RunnerConfig) -> int:
+    """Temporary device memory of the largest step (all tokens, all rows, full sampler), from XLA's own analysis.
+
+    Compiled once against a small pool (the workspace does not grow with the pool), so the real pool can be sized
+    to what is left before any of it is allocated.
+    """
+    runner = ModelRunner(model_config, graphdef, params, dtype, config)
+    largest = runner.buckets.select(config.max_num_batched_tokens, config.max_num_seqs, penalties=True,
+                                    truncation=True)
+    analysis = runner._lower(largest).compile().memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+

@@ -1,0 +1,49 @@
+"""Pool sizing: explicit pages, a GiB budget, or device memory minus weights and the largest step's workspace."""
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.checkpoint import load_model
+from jaxserve.engine.kv_sizing import bytes_per_page, resolve_num_pages
+from jaxserve.errors import ConfigError
+from jaxserve.runner.model_runner import RunnerConfig, largest_step_workspace_bytes
+
+SIZES = dict(page_size=16, max_num_seqs=4, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return load_model(None, "float32", progress=False)
+
+
+def _pages(builtin, **kwargs):
+    settings = dict(num_kv_pages=None, kv_cache_memory_gb=None, gpu_memory_utilization=0.9, memory_stats=None)
+    return resolve_num_pages(builtin.config, jnp.float32, **SIZES, **{**settings, **kwargs})
+
+
+def test_bytes_per_page_counts_k_and_v_of_every_layer(builtin):
+    cfg = builtin.config  # 2 layers, 2 KV heads of 16
+    assert bytes_per_page(cfg, 16, jnp.bfloat16) == 2 * 2 * 2 * 16 * 16 * 2
+
+
+def test_explicit_pages_then_gib_then_cpu_default(builtin):
+    per_page = bytes_per_page(builtin.config, 16, jnp.float32)
+    assert _pages(builtin, num_kv_pages=77) == 77
+    assert _pages(builtin, kv_cache_memory_gb=per_page * 10 / 2**30) == 11
+    assert _pages(builtin) == 4 * 16 + 1  # no memory stats: room for max_num_seqs full sequences
+
+
+def test_device_memory_budget_subtracts_weights_and_workspace(builtin):
+    per_page = bytes_per_page(builtin.config, 16, jnp.float32)
+    stats = {"bytes_limit": 1000 * per_page, "bytes_in_use": 100 * per_page}
+    assert _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.5) == 400 + 1
+    assert _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.5, workspace_bytes=50 * per_page) == 351
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        _pages(builtin, memory_stats=stats, gpu_memory_utilization=1.5)
+    with pytest.raises(ConfigError, match="not enough for one page"):
+        _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.1)
+
+
+def test_largest_step_workspace_is_measured_by_xla(builtin):
+    config = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, page_size=8, num_pages=2)
+    assert largest_step_workspace_bytes(builtin.config, builtin.graphdef, builtin.params, builtin.dtype, config) > 0

@@ -1,0 +1,343 @@
+"""Ragged paged decode attention: one query token per sequence, attending over that sequence's pages of the pool.
+
+Layout (the serving cache's): the pool is f[kv_heads, num_pages, page_size, head_dim] for K and for V; sequence s
+owns pages block_tables[s, 0..] in order and holds lengths[s] tokens. Each sequence's query has `heads` query heads,
+grouped over the KV heads (grouped-query attention).
+
+The kernel runs on a static grid (kv_head, sequence, split): GPU lowerings of Pallas have neither scalar prefetch
+nor a dynamic grid, so the block table and lengths are ordinary inputs read inside the kernel, and each program
+loops only over the pages its sequence actually fills. One program processes all query heads of one KV head
+together, so each K/V page is read once per KV head and the score computation is a matrix product; the group is
+padded to at least 16 rows because Triton's dot needs that. Split-K (`DecodeTuning.k_splits`) divides each
+sequence's pages among several programs, which then emit float32 partial results (unnormalised values, running
+max, running sum) that a small XLA step combines; with one split the same path applies.
+
+File order: kernel, wrapper (pallas_call), public API, plain-jnp reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Score given to masked slots: finite, so a block whose slots are all masked yields exp(mask - max) = 0, not NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Triton's dot needs at least this many rows and columns in each operand.
+MIN_DOT_DIM = 16
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Static launch parameters of the decode kernel; validated on creation.
+
+    Hashable (frozen), so it can be a static argument of jit.
+    """
+
+    pages_per_block: int = 8
+    """Pages folded into the online softmax per loop iteration; a power of two (Triton loads power-of-two tiles).
+    Together with the page size it sets the key tile, which must be at least 16 slots."""
+    k_splits: int = 1
+    """Programs sharing one sequence's pages (split-K); more splits give more parallelism to short batches of long
+    sequences at the cost of a combine step."""
+    num_warps: int = 4
+    """Warps per Triton program; a power of two."""
+    num_stages: int = 2
+    """Software-pipelining stages of the page loop in Triton."""
+
+    def __post_init__(self):
+        for name in ("pages_per_block", "k_splits", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DecodeTuning.{name} must be a positive int, got {value!r}")
+        if not _is_power_of_two(self.pages_per_block):
+            raise ValueError(f"DecodeTuning.pages_per_block must be a power of two (Triton loads power-of-two "
+                             f"tiles), got {self.pages_per_block}")
+        if not _is_power_of_two(self.num_warps):
+            raise ValueError(f"DecodeTuning.num_warps must be a power of two, got {self.num_warps}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _paged_decode_kernel(
+    q_ref,  # f[group_rows, head_dim]: this sequence's query heads of this KV head, zero-padded rows
+    k_pages_ref,  # f[num_pages, page_size, head_dim]: this KV head's whole K pool
+    v_pages_ref,  # f[num_pages, page_size, head_dim]: this KV head's whole V pool
+    block_table_ref,  # i32[pages_per_split]: this split's share of the sequence's block table
+    length_ref,  # i32[1]: tokens the sequence holds
+    out_ref,  # f32[group_rows, head_dim]: unnormalised weighted values of this split
+    max_ref,  # f32[group_rows]: running max of this split's scores
+    sum_ref,  # f32[group_rows]: sum of exp(score - max) over this split
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None,
+    pages_per_block: int,
+):
+    """One (kv_head, sequence, split) program: online softmax over the split's filled pages, block by block."""
+    group_rows, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    pages_per_split = block_table_ref.shape[0]
+    length = length_ref[0]
+    first_page = pl.program_id(2) * pages_per_split
+    # Only pages that hold tokens are visited; the grid is static, so a split past the sequence's end does nothing.
+    pages_here = jnp.clip(pl.cdiv(length, page_size) - first_page, 0, pages_per_split)
+    num_blocks = pl.cdiv(pages_here, pages_per_block)
+    query = q_ref[...]  # f[group_rows, head_dim]
+
+    def fold_block(block, state):
+        keys, values, visible = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here,
+                                            first_page, length, pages_per_block)
+        scores = _block_scores(query, keys, visible, sm_scale, logits_soft_cap)
+        return _online_softmax_step(state, scores, values)
+
+    state = (
+        jnp.full((group_rows,), jnp.finfo(jnp.float32).min, jnp.float32),  # running max
+        jnp.zeros((group_rows,), jnp.float32),  # running sum
+        jnp.zeros((group_rows, head_dim), jnp.float32),  # weighted values
+    )
+    running_max, total, weighted = lax.fori_loop(0, num_blocks, fold_block, state)
+    out_ref[...] = weighted
+    max_ref[...] = running_max
+    sum_ref[...] = total
+
+
+def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, first_page, length,
+                pages_per_block: int):
+    """Keys f[block_slots, head_dim], values (masked slots zeroed), and visible bool[block_slots] of one block."""
+    _, page_size, head_dim = k_pages_ref.shape
+    block_slots = pages_per_block * page_size
+    local_pages = block * pages_per_block + jnp.arange(pages_per_block)  # i32[pages_per_block]
+    page_ids = block_table_ref[pl.ds(block * pages_per_block, pages_per_block)]  # i32[pages_per_block]
+    # Table entries past the sequence's last page are unspecified (they may even be out of range): read page 0
+    # there instead, whose slots are masked below anyway.
+    page_ids = jnp.where(local_pages < pages_here, page_ids, 0)
+    keys = k_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[block_slots, head_dim]
+    values = v_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[block_slots, head_dim]
+    slot_positions = (first_page + block * pages_per_block) * page_size + jnp.arange(block_slots)  # i32[block_slots]
+    visible = slot_positions < length  # bool[block_slots]
+    # where, not a multiply: a masked slot may hold NaN (stale or poisoned memory), and 0 * NaN is NaN.
+    values = jnp.where(lax.broadcast_in_dim(visible, values.shape, (0,)), values, jnp.zeros((), values.dtype))
+    return keys, values, visible
+
+
+def _block_scores(query, keys, visible, sm_scale: float, logits_soft_cap: float | None):
+    """f32[group_rows, block_slots] scaled (and soft-capped) scores; masked slots get MASK_VALUE."""
+    scores = plgpu.dot(query, keys, trans_b=True, precision=_dot_precision(query.dtype)) * sm_scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+    return jnp.where(lax.broadcast_in_dim(visible, scores.shape, (1,)), scores, MASK_VALUE)
+
+
+def _online_softmax_step(state, scores, values):
+    """Folds one block into (running max f32[rows], running sum f32[rows], weighted values f32[rows, head_dim]).
+
+    Every visited block holds at least one visible slot (the loop stops at the last filled page), so the new max
+    is a real score and the masked slots' exp(MASK_VALUE - max) underflows to exactly 0.
+    """
+    running_max, total, weighted = state
+    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[group_rows]
+    rescale = jnp.exp(running_max - new_max)  # f32[group_rows]
+    probs = jnp.exp(scores - new_max[:, None])  # f32[group_rows, block_slots]
+    block_weighted = plgpu.dot(probs.astype(values.dtype), values, precision=_dot_precision(values.dtype))
+    return new_max, total * rescale + jnp.sum(probs, axis=1), weighted * rescale[:, None] + block_weighted
+
+
+def _dot_precision(dtype) -> lax.Precision:
+    """Full float32 products for float32 inputs (TF32 would cost accuracy, and decode is bound by memory anyway)."""
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrapper
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _group_rows(group: int) -> int:
+    """Query rows per program: the GQA group padded to a power of two of at least MIN_DOT_DIM (Triton's dot)."""
+    return max(MIN_DOT_DIM, 1 << (group - 1).bit_length())
+
+
+def _split_block_tables(block_tables: jax.Array, tuning: DecodeTuning) -> jax.Array:
+    """i32[S, k_splits, pages_per_split]: the table padded with page 0 so every split is a whole number of blocks."""
+    seqs, max_pages = block_tables.shape
+    pages_per_split = -(-max_pages // tuning.k_splits)
+    pages_per_split = -(-pages_per_split // tuning.pages_per_block) * tuning.pages_per_block
+    padded = jnp.pad(block_tables, ((0, 0), (0, tuning.k_splits * pages_per_split - max_pages)))
+    return padded.reshape(seqs, tuning.k_splits, pages_per_split)
+
+
+def _decode_partials(
+    grouped_q: jax.Array,  # f[S, kv_heads, group_rows, head_dim]
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    split_tables: jax.Array,  # i32[S, k_splits, pages_per_split]
+    lengths: jax.Array,  # i32[S]
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None,
+    tuning: DecodeTuning,
+    interpret: bool,
+):
+    """The pallas_call: per split, unnormalised values f32[k_splits, S, kv_heads, group_rows, head_dim], running
+    max and running sum f32[k_splits, S, kv_heads, group_rows]."""
+    seqs, kv_heads, group_rows, head_dim = grouped_q.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    pages_per_split = split_tables.shape[2]
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, s, p: (h, 0, 0, 0))
+    row_spec = pl.BlockSpec((None, None, None, group_rows), lambda h, s, p: (p, s, h, 0))
+    kernel = functools.partial(_paged_decode_kernel, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                               pages_per_block=tuning.pages_per_block)
+    return pl.pallas_call(
+        kernel,
+        grid=(kv_heads, seqs, tuning.k_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, group_rows, head_dim), lambda h, s, p: (s, h, 0, 0)),
+            pool_spec,
+            pool_spec,
+            pl.BlockSpec((None, None, pages_per_split), lambda h, s, p: (s, p, 0)),
+            pl.BlockSpec((1,), lambda h, s, p: (s,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, group_rows, head_dim), lambda h, s, p: (p, s, h, 0, 0)),
+            row_spec,
+            row_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((tuning.k_splits, seqs, kv_heads, group_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((tuning.k_splits, seqs, kv_heads, group_rows), jnp.float32),
+            jax.ShapeDtypeStruct((tuning.k_splits, seqs, kv_heads, group_rows), jnp.float32),
+        ],
+        # Explicit Triton parameters: without them a GPU pallas_call may pick another GPU backend.
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+        interpret=interpret,
+        name=f"paged_decode_{tuning.pages_per_block}ppb_{tuning.k_splits}splits",
+    )(grouped_q, k_pages, v_pages, split_tables, lengths)
+
+
+def _combine_splits(
+    partial_out: jax.Array,  # f32[k_splits, S, kv_heads, group_rows, head_dim]
+    partial_max: jax.Array,  # f32[k_splits, S, kv_heads, group_rows]
+    partial_sum: jax.Array,  # f32[k_splits, S, kv_heads, group_rows]
+) -> jax.Array:  # f32[S, kv_heads, group_rows, head_dim]
+    """Merges the splits' softmax states; a row that saw no slot (length 0) comes out as zeros, not NaN."""
+    global_max = jnp.max(partial_max, axis=0)  # f32[S, kv_heads, group_rows]
+    correction = jnp.exp(partial_max - global_max)  # f32[k_splits, S, kv_heads, group_rows]
+    total = jnp.sum(partial_sum * correction, axis=0)  # f32[S, kv_heads, group_rows]
+    weighted = jnp.sum(partial_out * correction[..., None], axis=0)  # f32[S, kv_heads, group_rows, head_dim]
+    return weighted / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _check_shapes(q, k_pages, v_pages, block_tables, lengths, tuning: DecodeTuning):
+    """Raises ValueError naming the first input that the kernel cannot take."""
+    seqs, heads, head_dim = q.shape
+    kv_heads, _, page_size, pool_head_dim = k_pages.shape
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.dtype}{k_pages.shape} and v_pages {v_pages.dtype}{v_pages.shape} must "
+                         f"have the same shape and dtype")
+    if pool_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} differs from the pool's head_dim {pool_head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    if block_tables.ndim != 2 or block_tables.shape[0] != seqs or block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be i32[{seqs}, max_pages], got {block_tables.dtype}{block_tables.shape}")
+    if lengths.shape != (seqs,) or lengths.dtype != jnp.int32:
+        raise ValueError(f"lengths must be i32[{seqs}], got {lengths.dtype}{lengths.shape}")
+    if not _is_power_of_two(head_dim) or not _is_power_of_two(page_size):
+        raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two (Triton tiles)")
+    if tuning.pages_per_block * page_size < MIN_DOT_DIM:
+        raise ValueError(f"pages_per_block * page_size = {tuning.pages_per_block} * {page_size} must be at least "
+                         f"{MIN_DOT_DIM} (Triton's dot); raise DecodeTuning.pages_per_block")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap", "tuning", "interpret"))
+def paged_decode_attention(
+    q: jax.Array,  # f[S, heads, head_dim]
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    block_tables: jax.Array,  # i32[S, max_pages]
+    lengths: jax.Array,  # i32[S]
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+    tuning: DecodeTuning = DecodeTuning(),
+    interpret: bool = False,
+) -> jax.Array:  # f[S, heads, head_dim], q's dtype
+    """Decode attention of each sequence's single query over its first lengths[s] cached tokens.
+
+    Query head i attends with KV head i // (heads // kv_heads). Scores are q·k * sm_scale, then, if
+    `logits_soft_cap` is given, cap * tanh(score / cap). Accumulation is float32. A sequence of length 0 gets
+    zeros. Block-table entries past a sequence's last page are never read as pages, and slots past its length
+    never reach the output, whatever they hold (NaN included). `interpret=True` runs the kernel on any backend
+    (CPU included) for testing.
+    """
+    _check_shapes(q, k_pages, v_pages, block_tables, lengths, tuning)
+    seqs, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[0]
+    group = heads // kv_heads
+    grouped_q = q.reshape(seqs, kv_heads, group, head_dim)  # f[S, kv_heads, group, head_dim]
+    grouped_q = jnp.pad(grouped_q, ((0, 0), (0, 0), (0, _group_rows(group) - group), (0, 0)))
+    partials = _decode_partials(grouped_q, k_pages, v_pages,
+                                _split_block_tables(block_tables, tuning), lengths, sm_scale=sm_scale,
+                                logits_soft_cap=logits_soft_cap, tuning=tuning, interpret=interpret)
+    out = _combine_splits(*partials)[:, :, :group]  # f32[S, kv_heads, group, head_dim]
+    return out.reshape(seqs, heads, head_dim).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap"))
+def paged_decode_reference(
+    q: jax.Array,  # f[S, heads, head_dim]
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    block_tables: jax.Array,  # i32[S, max_pages]
+    lengths: jax.Array,  # i32[S]
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+) -> jax.Array:  # f[S, heads, head_dim], q's dtype
+    """Plain-jnp decode attention with the kernel's semantics: gathers every sequence's whole context at once.
+
+    Memory is S * max_pages * page_size * kv_heads * head_dim per K and V, so it is for tests, not serving.
+    """
+    seqs, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    max_slots = block_tables.shape[1] * page_size
+    keys = k_pages[:, block_tables].reshape(kv_heads, seqs, max_slots, head_dim)  # f[kv_heads, S, slots, head_dim]
+    values = v_pages[:, block_tables].reshape(kv_heads, seqs, max_slots, head_dim)  # f[kv_heads, S, slots, head_dim]
+    grouped_q = q.reshape(seqs, kv_heads, heads // kv_heads, head_dim)  # f[S, kv_heads, group, head_dim]
+    scores = jnp.einsum("skgd,ksld->skgl", grouped_q, keys, preferred_element_type=jnp.float32,
+                        precision=lax.Precision.HIGHEST) * sm_scale  # f32[S, kv_heads, group, slots]
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+    visible = jnp.arange(max_slots)[None, :] < lengths[:, None]  # bool[S, slots]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    # A row that sees nothing has max -inf; shifting by 0 instead keeps its exp at 0 rather than NaN.
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))  # f32[S, kv_heads, group, slots]
+    total = jnp.sum(probs, axis=-1, keepdims=True)  # f32[S, kv_heads, group, 1]
+    # where, not a multiply: masked V slots may hold NaN.
+    values = jnp.where(visible[None, :, :, None], values, jnp.zeros((), values.dtype))
+    weighted = jnp.einsum("skgl,ksld->skgd", probs, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    out = weighted / jnp.where(total > 0, total, 1.0)  # f32[S, kv_heads, group, head_dim]
+    return out.reshape(seqs, heads, head_dim).astype(q.dtype)

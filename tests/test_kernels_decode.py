@@ -1,0 +1,152 @@
+"""The Pallas paged decode kernel: interpret-mode equality with the references, and its CUDA lowering on any host.
+
+Pools are tiny on purpose: interpret mode copies each KV head's whole pool at every grid step.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedAttentionMetadata, paged_attention_reference
+from kernels_pallas import DecodeTuning, paged_decode_attention, paged_decode_reference
+
+PAGE_SIZE = 8
+MAX_PAGES = 4  # per sequence
+NUM_PAGES = 32  # in the pool, null page included
+KV_HEADS = 2
+TUNING = DecodeTuning(pages_per_block=2)  # 16-slot key tiles: the smallest Triton's dot takes
+# Lengths at every page-boundary case: empty, one token, page edges, and a full block table.
+LENGTHS = (0, 1, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1, MAX_PAGES * PAGE_SIZE)
+TOLERANCES = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
+def _pages_needed(length: int) -> int:
+    return -(-length // PAGE_SIZE)
+
+
+def ragged_batch(seed: int, dtype, group: int, head_dim: int, unused_entries: str = "random"):
+    """q f[S, heads, head_dim], k/v pools, block_tables i32[S, MAX_PAGES], lengths i32[S] for LENGTHS.
+
+    Pages are drawn from a random permutation of the pool (never the null page). Free pages and the slots past each
+    sequence's length hold NaN, so any read the kernel should mask shows up in the output. Block-table entries
+    past a sequence's last page are random pages ("random", which the kernel must not trust) or the null page.
+    """
+    rng = np.random.default_rng(seed)
+    seqs = len(LENGTHS)
+    shape = (KV_HEADS, NUM_PAGES, PAGE_SIZE, head_dim)
+    k_pages = np.full(shape, np.nan, np.float32)  # f32[kv_heads, num_pages, page_size, head_dim]
+    v_pages = np.full(shape, np.nan, np.float32)  # f32[kv_heads, num_pages, page_size, head_dim]
+    k_pages[:, NULL_PAGE] = v_pages[:, NULL_PAGE] = 0.0
+    owned = iter(rng.permutation(np.arange(1, NUM_PAGES)))
+    if unused_entries == "random":
+        block_tables = rng.integers(0, NUM_PAGES, (seqs, MAX_PAGES)).astype(np.int32)  # i32[S, MAX_PAGES]
+    else:
+        block_tables = np.full((seqs, MAX_PAGES), NULL_PAGE, np.int32)  # i32[S, MAX_PAGES]
+    for seq, length in enumerate(LENGTHS):
+        for index in range(_pages_needed(length)):
+            page = next(owned)
+            block_tables[seq, index] = page
+            filled = min(PAGE_SIZE, length - index * PAGE_SIZE)
+            k_pages[:, page, :filled] = rng.standard_normal((KV_HEADS, filled, head_dim))
+            v_pages[:, page, :filled] = rng.standard_normal((KV_HEADS, filled, head_dim))
+    q = rng.standard_normal((seqs, KV_HEADS * group, head_dim))  # f64[S, heads, head_dim]
+    return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+            jnp.asarray(block_tables), jnp.asarray(LENGTHS, jnp.int32))
+
+
+def assert_matches(actual: jax.Array, expected: jax.Array, dtype):
+    assert actual.dtype == expected.dtype == dtype
+    assert not jnp.isnan(actual).any(), "masked NaN reached the output"
+    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (2, 64), (4, 64), (8, 64), (4, 128)])
+def test_kernel_matches_reference_on_ragged_batch(dtype, group, head_dim):
+    batch = ragged_batch(group, dtype, group, head_dim)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(*batch, sm_scale=scale, tuning=TUNING, interpret=True)
+    assert_matches(out, paged_decode_reference(*batch, sm_scale=scale), dtype)
+    assert not out[LENGTHS.index(0)].any(), "a length-0 sequence must give zeros"
+
+
+@pytest.mark.parametrize("tuning", [DecodeTuning(pages_per_block=2, k_splits=2),
+                                    DecodeTuning(pages_per_block=2, k_splits=3),
+                                    DecodeTuning(pages_per_block=4)], ids=["2splits", "3splits", "4pages"])
+def test_tunings_agree(tuning):
+    """Split-K (dividing the table evenly or not) and wider blocks change only the schedule, not the result."""
+    batch = ragged_batch(7, jnp.float32, 4, 64)
+    out = paged_decode_attention(*batch, sm_scale=0.125, tuning=tuning, interpret=True)
+    assert_matches(out, paged_decode_reference(*batch, sm_scale=0.125), jnp.float32)
+
+
+def test_logits_soft_cap():
+    batch = ragged_batch(3, jnp.float32, 2, 64)
+    # A large scale makes raw scores reach tens, where the cap changes the result.
+    out = paged_decode_attention(*batch, sm_scale=2.0, logits_soft_cap=5.0, tuning=TUNING, interpret=True)
+    expected = paged_decode_reference(*batch, sm_scale=2.0, logits_soft_cap=5.0)
+    assert_matches(out, expected, jnp.float32)
+    assert not np.allclose(expected, paged_decode_reference(*batch, sm_scale=2.0), atol=1e-3)
+
+
+def test_matches_serving_reference_on_decode_metadata():
+    """Decode-only metadata (one token per sequence, at position length - 1) gives the serving oracle's output."""
+    q, k_pages, v_pages, block_tables, lengths = ragged_batch(5, jnp.float32, 2, 64, unused_entries="null")
+    seqs = len(LENGTHS)
+    metadata = PagedAttentionMetadata(
+        slot_mapping=jnp.full((seqs,), -1, jnp.int32),  # i32[S]: nothing is written
+        token_seq=jnp.arange(seqs, dtype=jnp.int32),  # i32[S]
+        block_tables=block_tables,
+        seq_lens=lengths,
+    )
+    expected = paged_attention_reference(q, k_pages, v_pages, metadata, jnp.maximum(lengths - 1, 0), 0.125)
+    out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, sm_scale=0.125, tuning=TUNING,
+                                 interpret=True)
+    assert_matches(out, expected, jnp.float32)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("pages_per_block", 3, "power of two"),
+    ("num_warps", 6, "power of two"),
+    ("k_splits", 0, "positive int"),
+    ("num_stages", 1.5, "positive int"),
+])
+def test_tuning_rejects_invalid_values(field, value, message):
+    with pytest.raises(ValueError, match=f"{field}.*{message}"):
+        DecodeTuning(**{field: value})
+
+
+def test_rejects_key_tile_too_small_for_triton():
+    batch = ragged_batch(0, jnp.float32, 1, 64)
+    with pytest.raises(ValueError, match="at least 16"):
+        paged_decode_attention(*batch, sm_scale=1.0, tuning=DecodeTuning(pages_per_block=1), interpret=True)
+
+
+def _avals(dtype, seqs=4, group=4, head_dim=128, num_pages=64, page_size=16, max_pages=8):
+    pool = jax.ShapeDtypeStruct((KV_HEADS, num_pages, page_size, head_dim), dtype)
+    return (jax.ShapeDtypeStruct((seqs, KV_HEADS * group, head_dim), dtype), pool, pool,
+            jax.ShapeDtypeStruct((seqs, max_pages), jnp.int32), jax.ShapeDtypeStruct((seqs,), jnp.int32))
+
+
+# The Triton backend is deprecated from JAX 0.11 but is the GPU backend this kernel targets; the warning is expected.
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("tuning", [DecodeTuning(), DecodeTuning(k_splits=4, pages_per_block=2)],
+                         ids=["default", "4splits"])
+def test_lowers_for_cuda_through_triton(dtype, tuning):
+    """The real Pallas-to-Triton lowering runs on a host without a GPU, under an abstract H100."""
+    attend = functools.partial(paged_decode_attention, sm_scale=0.1, logits_soft_cap=30.0, tuning=tuning)
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(attend), platforms=["cuda"],
+            # Triton kernels are serialized into the custom call, which has no cross-version compatibility promise.
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)],
+        )(*_avals(dtype))
+    assert exported.platforms == ("cuda",)
+    assert exported.mlir_module().count(f"custom_call @{TRITON_TARGET}") == 1

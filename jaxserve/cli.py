@@ -74,7 +74,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--attention-backend", help="paged attention implementation (xla)")
+    parser.add_argument("--attention-backend", help="paged attention: xla, pallas (GPU kernel), pallas-interpret (the kernel on a CPU)")
     parser.add_argument("--seed", type=int)
 
 

@@ -29,8 +29,10 @@ find_python() {
   return 1
 }
 
-stamp_id="$( (cat pyproject.toml; echo "$extras") | sha256sum | cut -c1-16)"
-base_id="$( (cat pyproject.toml; echo "") | sha256sum | cut -c1-16)"
+# The editable install maps the top-level packages it saw, so a new package also calls for a reinstall.
+packages="$(ls -d */__init__.py 2>/dev/null)"
+stamp_id="$( (cat pyproject.toml; echo "$packages"; echo "$extras") | sha256sum | cut -c1-16)"
+base_id="$( (cat pyproject.toml; echo "$packages"; echo "") | sha256sum | cut -c1-16)"
 if [ -f ".venv/.installed-${stamp_id}" ] || { [ -z "$extras" ] && ls .venv/.installed-*"-${base_id}" >/dev/null 2>&1; }; then
   exit 0
 fi

@@ -23,6 +23,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import paged_prefill_attention
+
 NULL_PAGE = 0  # the all-zero page: padded block-table entries point at it; no sequence owns it
 PADDING_SLOT = -1  # slot_mapping value of padding tokens; mapped past the pool's end so their writes are dropped
 XLA_BACKEND = "xla"  # the plain-jnp reference attention below
@@ -162,8 +164,22 @@ def _online_softmax_step(
     return (new_max, total * rescale + jnp.sum(probs, axis=-1), weighted * rescale[..., None] + block_weighted)
 
 
+def _pallas_attention(interpret: bool) -> PagedAttentionFn:
+    """The Pallas mixed prefill/decode kernel behind the cache's attention interface."""
+
+    def attend(q, k_pages, v_pages, metadata: PagedAttentionMetadata, positions, scale):
+        return paged_prefill_attention(q, k_pages, v_pages, metadata.block_tables, metadata.seq_lens,
+                                       metadata.token_seq, positions, sm_scale=scale, interpret=interpret)
+
+    return attend
+
+
 ATTENTION_BACKENDS: types.MappingProxyType[str, PagedAttentionFn] = types.MappingProxyType({
     XLA_BACKEND: paged_attention_reference,
+    # The GPU kernel; "pallas-interpret" runs the same kernel through Pallas' interpreter, so the whole engine can
+    # be tested through it on a CPU.
+    "pallas": _pallas_attention(interpret=False),
+    "pallas-interpret": _pallas_attention(interpret=True),
 })
 
 

@@ -1,0 +1,358 @@
+"""Ragged paged prefill (mixed) attention: the flattened query tokens of a step, causal within each sequence.
+
+A step's T query tokens are prefill chunks and decode tokens of several sequences, concatenated; token t belongs to
+sequence row token_seq[t] and sits at position positions[t] of that sequence. Its K/V (and those of every earlier
+chunk) are already in the page pool f[kv_heads, num_pages, page_size, head_dim], so token t attends over slots
+0 .. min(positions[t] + 1, seq_lens[s]) - 1 of its sequence's pages, block_tables[s, 0..] in order.
+
+GPU lowerings of Pallas have neither scalar prefetch nor a dynamic grid, so the wrapper computes in XLA a work list
+of fixed length W: each work item is up to `block_q` consecutive tokens of ONE sequence (a run of tokens of one
+sequence is cut into blocks of block_q; the last block of a run may be short, and unused items are empty). The
+grid is static (kv_head, work item); each program loads its item's queries for all query heads of its KV head
+(rows = block_q * group, padded to a power of two of at least 16 for Triton's dot), loops over the sequence's
+pages up to the item's last visible slot with an online float32 softmax and a per-row causal mask, and writes its
+rows. XLA then scatters the item rows back to token order.
+
+The work list is derived from token_seq alone: a work item never spans a change of token_seq, and tokens of one
+sequence must be contiguous (as `PagedAttentionMetadata` promises). Positions are read per query row, so they need
+not be consecutive within a run (padding tokens that share the last real row at position 0 are handled). With
+R runs of equal token_seq the list needs at most T // block_q + R items; W = min(T, T // block_q + S) covers any
+batch whose rows are contiguous.
+
+File order: kernel, work list, wrapper (pallas_call), public API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.paged_decode import MASK_VALUE, MIN_DOT_DIM
+
+_NO_POSITION = -1  # position of a query row that holds no token: it sees no slot
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTuning:
+    """Static launch parameters of the prefill kernel; validated on creation.
+
+    Hashable (frozen), so it can be a static argument of jit.
+    """
+
+    block_q: int = 16
+    """Query tokens per work item (all of one sequence). Rows per program are block_q * group padded to a power of
+    two, so a power of two wastes no rows when the group is one."""
+    pages_per_block: int = 8
+    """Pages folded into the online softmax per loop iteration; a power of two (Triton loads power-of-two tiles).
+    Together with the page size it sets the key tile, which must be at least 16 slots."""
+    num_warps: int = 4
+    """Warps per Triton program; a power of two."""
+    num_stages: int = 2
+    """Software-pipelining stages of the page loop in Triton."""
+
+    def __post_init__(self):
+        for name in ("block_q", "pages_per_block", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PrefillTuning.{name} must be a positive int, got {value!r}")
+        for name in ("pages_per_block", "num_warps"):
+            if not _is_power_of_two(getattr(self, name)):
+                raise ValueError(f"PrefillTuning.{name} must be a power of two (Triton tiles), "
+                                 f"got {getattr(self, name)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _paged_prefill_kernel(
+    q_ref,  # f[rows, head_dim]: the item's queries of this KV head's query heads, token-major, zero-padded rows
+    row_positions_ref,  # i32[rows]: each row's query position; _NO_POSITION for rows without a token
+    k_pages_ref,  # f[num_pages, page_size, head_dim]: this KV head's whole K pool
+    v_pages_ref,  # f[num_pages, page_size, head_dim]: this KV head's whole V pool
+    block_table_ref,  # i32[table_pages]: the item's sequence's block table, padded
+    length_ref,  # i32[1]: tokens the item's sequence holds; 0 for an empty item
+    out_ref,  # f[rows, head_dim]: normalised attention output of each row
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None,
+    pages_per_block: int,
+):
+    """One (kv_head, work item) program: online softmax over the pages the item's last query can see."""
+    rows, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    # Slots each row may see: causal (up to its position) and never past the sequence's length.
+    row_limits = jnp.clip(row_positions_ref[...] + 1, 0, length_ref[0])  # i32[rows]
+    item_limit = jnp.max(row_limits)
+    pages_here = pl.cdiv(item_limit, page_size)
+    num_blocks = pl.cdiv(pages_here, pages_per_block)
+    query = q_ref[...]  # f[rows, head_dim]
+
+    def fold_block(block, state):
+        keys, values, slot_positions = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here,
+                                                   item_limit, pages_per_block)
+        visible = (lax.broadcast_in_dim(slot_positions, (rows, slot_positions.shape[0]), (1,))
+                   < lax.broadcast_in_dim(row_limits, (rows, slot_positions.shape[0]), (0,)))  # bool[rows, slots]
+        scores = _block_scores(query, keys, visible, sm_scale, logits_soft_cap)
+        return _online_softmax_step(state, scores, values)
+
+    state = (
+        jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),  # running max
+        jnp.zeros((rows,), jnp.float32),  # running sum
+        jnp.zeros((rows, head_dim), jnp.float32),  # weighted values
+    )
+    _, total, weighted = lax.fori_loop(0, num_blocks, fold_block, state)
+    # An empty item (or a padding sequence of length 0) never enters the loop: total 0, so divide by 1 for zeros.
+    out_ref[...] = (weighted / lax.broadcast_in_dim(jnp.where(total > 0, total, 1.0), weighted.shape, (0,))
+                    ).astype(out_ref.dtype)
+
+
+def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, item_limit, pages_per_block: int):
+    """Keys f[slots, head_dim], values (zeroed past the item's last visible slot), slot positions i32[slots]."""
+    _, page_size, head_dim = k_pages_ref.shape
+    block_slots = pages_per_block * page_size
+    local_pages = block * pages_per_block + jnp.arange(pages_per_block)  # i32[pages_per_block]
+    page_ids = block_table_ref[pl.ds(block * pages_per_block, pages_per_block)]  # i32[pages_per_block]
+    # Entries past the last page the item needs are unspecified (maybe out of range): read page 0 instead.
+    page_ids = jnp.where(local_pages < pages_here, page_ids, 0)
+    keys = k_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[slots, head_dim]
+    values = v_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[slots, head_dim]
+    slot_positions = block * block_slots + jnp.arange(block_slots)  # i32[slots]
+    # Slots below item_limit are written tokens of the sequence, so finite; those past it may hold NaN, and a row
+    # that masks them still multiplies them by probability 0 (0 * NaN = NaN): zero them with where.
+    in_item = slot_positions < item_limit  # bool[slots]
+    values = jnp.where(lax.broadcast_in_dim(in_item, values.shape, (0,)), values, jnp.zeros((), values.dtype))
+    return keys, values, slot_positions
+
+
+def _block_scores(query, keys, visible, sm_scale: float, logits_soft_cap: float | None):
+    """f32[rows, slots] scaled (and soft-capped) scores; masked slots get MASK_VALUE."""
+    scores = plgpu.dot(query, keys, trans_b=True, precision=_dot_precision(query.dtype)) * sm_scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+    return jnp.where(visible, scores, MASK_VALUE)
+
+
+def _online_softmax_step(state, scores, values):
+    """Folds one block into (running max f32[rows], running sum f32[rows], weighted values f32[rows, head_dim]).
+
+    Blocks are visited from slot 0, and every row holding a token sees slot 0, so its running max is a real score
+    after the first block and later masked slots give exp(MASK_VALUE - max) = 0 exactly. Rows without a token see
+    nothing and produce finite values that are never written back to a token.
+    """
+    running_max, total, weighted = state
+    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[rows]
+    rescale = jnp.exp(running_max - new_max)  # f32[rows]
+    probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, (0,)))  # f32[rows, slots]
+    block_weighted = plgpu.dot(probs.astype(values.dtype), values, precision=_dot_precision(values.dtype))
+    return (new_max, total * rescale + jnp.sum(probs, axis=1),
+            weighted * lax.broadcast_in_dim(rescale, weighted.shape, (0,)) + block_weighted)
+
+
+def _dot_precision(dtype) -> lax.Precision:
+    """Full float32 products for float32 inputs (TF32 would cost accuracy the tests check against)."""
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Work list
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkList:
+    """W work items, each up to block_q consecutive tokens of one sequence, and where every token landed."""
+
+    first_token: jax.Array  # i32[W]: index of the item's first token in the batch
+    num_tokens: jax.Array  # i32[W]: tokens in the item; 0 for an empty item
+    seq_row: jax.Array  # i32[W]: the item's sequence row
+    token_item: jax.Array  # i32[T]: each token's item; W (out of range) if the list overflowed
+    token_offset: jax.Array  # i32[T]: each token's index within its item
+
+
+def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Static list length: every item holds a token, and each run of one sequence wastes at most one short item."""
+    return max(1, min(num_tokens, num_tokens // block_q + num_seqs))
+
+
+def build_work_list(token_seq: jax.Array, num_seqs: int, block_q: int) -> WorkList:
+    """Cuts every run of equal token_seq (i32[T]) into blocks of block_q tokens, in XLA, padded to a fixed length."""
+    tokens = token_seq.shape[0]
+    items = num_work_items(tokens, num_seqs, block_q)
+    index = jnp.arange(tokens, dtype=jnp.int32)  # i32[T]
+    run_start = jnp.concatenate([jnp.ones((1,), bool), token_seq[1:] != token_seq[:-1]])  # bool[T]
+    run_first = lax.cummax(jnp.where(run_start, index, 0))  # i32[T]: first token of each token's run
+    offset_in_run = index - run_first  # i32[T]
+    item_start = offset_in_run % block_q == 0  # bool[T]
+    token_item = jnp.cumsum(item_start.astype(jnp.int32)) - 1  # i32[T]
+    token_item = jnp.where(token_item < items, token_item, items)  # overflow (non-contiguous rows) is dropped
+    first_token = jnp.zeros((items,), jnp.int32).at[jnp.where(item_start, token_item, items)].set(index, mode="drop")
+    num_tokens = jnp.zeros((items,), jnp.int32).at[token_item].add(1, mode="drop")
+    return WorkList(first_token=first_token, num_tokens=num_tokens, seq_row=token_seq[first_token],
+                    token_item=token_item, token_offset=offset_in_run % block_q)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrapper
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rows(block_q: int, group: int) -> int:
+    """Query rows per program: block_q * group padded to a power of two of at least MIN_DOT_DIM (Triton's dot)."""
+    return max(MIN_DOT_DIM, 1 << (block_q * group - 1).bit_length())
+
+
+def _item_queries(q, positions, work: WorkList, kv_heads: int, block_q: int, rows: int):
+    """Queries f[W, kv_heads, rows, head_dim] (row = token * group + head in group) and row positions i32[W, rows]."""
+    tokens, heads, head_dim = q.shape
+    group = heads // kv_heads
+    in_item = jnp.arange(block_q)[None, :] < work.num_tokens[:, None]  # bool[W, block_q]
+    token_ids = jnp.clip(work.first_token[:, None] + jnp.arange(block_q)[None, :], 0, tokens - 1)  # i32[W, block_q]
+    item_q = jnp.where(in_item[..., None, None], q[token_ids], jnp.zeros((), q.dtype))  # f[W, block_q, heads, D]
+    item_q = item_q.reshape(-1, block_q, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    item_q = item_q.reshape(-1, kv_heads, block_q * group, head_dim)  # f[W, kv_heads, block_q * group, D]
+    item_q = jnp.pad(item_q, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))
+    row_positions = jnp.where(in_item, positions[token_ids], _NO_POSITION)  # i32[W, block_q]
+    row_positions = jnp.repeat(row_positions, group, axis=1)  # i32[W, block_q * group]
+    row_positions = jnp.pad(row_positions, ((0, 0), (0, rows - block_q * group)), constant_values=_NO_POSITION)
+    return item_q, row_positions
+
+
+def _item_tables(block_tables, seq_lens, work: WorkList, pages_per_block: int):
+    """Block tables i32[W, table_pages] (padded with the null page to a power of two, at least one block) and
+    lengths i32[W] (0 for empty items) of each item's sequence."""
+    max_pages = block_tables.shape[1]
+    table_pages = max(pages_per_block, 1 << (max_pages - 1).bit_length())
+    tables = jnp.pad(block_tables, ((0, 0), (0, table_pages - max_pages)))[work.seq_row]  # i32[W, table_pages]
+    lengths = jnp.where(work.num_tokens > 0, seq_lens[work.seq_row], 0)  # i32[W]
+    return tables, lengths
+
+
+def _prefill_items(
+    item_q: jax.Array,  # f[W, kv_heads, rows, head_dim]
+    row_positions: jax.Array,  # i32[W, rows]
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    tables: jax.Array,  # i32[W, table_pages]
+    lengths: jax.Array,  # i32[W]
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None,
+    tuning: PrefillTuning,
+    interpret: bool,
+) -> jax.Array:  # f[W, kv_heads, rows, head_dim]
+    """The pallas_call over the static grid (kv_head, work item)."""
+    items, kv_heads, rows, head_dim = item_q.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, w: (h, 0, 0, 0))
+    rows_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (w, h, 0, 0))
+    kernel = functools.partial(_paged_prefill_kernel, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                               pages_per_block=tuning.pages_per_block)
+    return pl.pallas_call(
+        kernel,
+        grid=(kv_heads, items),
+        in_specs=[
+            rows_spec,
+            pl.BlockSpec((None, rows), lambda h, w: (w, 0)),
+            pool_spec,
+            pool_spec,
+            pl.BlockSpec((None, tables.shape[1]), lambda h, w: (w, 0)),
+            pl.BlockSpec((1,), lambda h, w: (w,)),
+        ],
+        out_specs=rows_spec,
+        out_shape=jax.ShapeDtypeStruct(item_q.shape, item_q.dtype),
+        # Explicit Triton parameters: without them a GPU pallas_call may pick another GPU backend.
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+        interpret=interpret,
+        name=f"paged_prefill_{tuning.block_q}q_{tuning.pages_per_block}ppb",
+    )(item_q, row_positions, k_pages, v_pages, tables, lengths)
+
+
+def _token_outputs(item_out, work: WorkList, tokens: int, group: int) -> jax.Array:  # f[T, heads, head_dim]
+    """Gathers each token's rows back from its item; tokens the list dropped get zeros."""
+    items, kv_heads, _, head_dim = item_out.shape
+    rows = work.token_offset[:, None] * group + jnp.arange(group)[None, :]  # i32[T, group]
+    found = work.token_item < items  # bool[T]
+    out = item_out[jnp.clip(work.token_item, 0, items - 1)[:, None, None], jnp.arange(kv_heads)[None, :, None],
+                   rows[:, None, :]]  # f[T, kv_heads, group, head_dim]
+    out = jnp.where(found[:, None, None, None], out, jnp.zeros((), out.dtype))
+    return out.reshape(tokens, kv_heads * group, head_dim)
+
+
+def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, tuning: PrefillTuning):
+    """Raises ValueError naming the first input that the kernel cannot take."""
+    tokens, heads, head_dim = q.shape
+    kv_heads, _, page_size, pool_head_dim = k_pages.shape
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.dtype}{k_pages.shape} and v_pages {v_pages.dtype}{v_pages.shape} must "
+                         f"have the same shape and dtype")
+    if pool_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} differs from the pool's head_dim {pool_head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be i32[S, max_pages], got {block_tables.dtype}{block_tables.shape}")
+    seqs = block_tables.shape[0]
+    if seq_lens.shape != (seqs,) or seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens must be i32[{seqs}], got {seq_lens.dtype}{seq_lens.shape}")
+    for name, array in (("token_seq", token_seq), ("positions", positions)):
+        if array.shape != (tokens,) or array.dtype != jnp.int32:
+            raise ValueError(f"{name} must be i32[{tokens}], got {array.dtype}{array.shape}")
+    if not _is_power_of_two(head_dim) or not _is_power_of_two(page_size):
+        raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two (Triton tiles)")
+    if tuning.pages_per_block * page_size < MIN_DOT_DIM:
+        raise ValueError(f"pages_per_block * page_size = {tuning.pages_per_block} * {page_size} must be at least "
+                         f"{MIN_DOT_DIM} (Triton's dot); raise PrefillTuning.pages_per_block")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap", "tuning", "interpret"))
+def paged_prefill_attention(
+    q: jax.Array,  # f[T, heads, head_dim], already rotated
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim], this step's K already written
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim], this step's V already written
+    block_tables: jax.Array,  # i32[S, max_pages]
+    seq_lens: jax.Array,  # i32[S]
+    token_seq: jax.Array,  # i32[T]: each token's sequence row; tokens of one row contiguous
+    positions: jax.Array,  # i32[T]: each token's position in its sequence
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+    tuning: PrefillTuning = PrefillTuning(),
+    interpret: bool = False,
+) -> jax.Array:  # f[T, heads, head_dim], q's dtype
+    """Causal paged attention of a flattened ragged batch (prefill chunks and decode tokens of many sequences).
+
+    Token t attends over slots 0 .. min(positions[t] + 1, seq_lens[token_seq[t]]) - 1 of its sequence, with query
+    head i reading KV head i // (heads // kv_heads): the semantics of `paged_attention_reference`. Scores are
+    q·k * sm_scale, then cap * tanh(score / cap) if `logits_soft_cap` is given; accumulation is float32. Tokens of a
+    length-0 row (padding) get zeros. Block-table entries past the pages a query needs are never read as pages,
+    and slots a query may not see never reach its output, whatever they hold (NaN included). `interpret=True` runs
+    the kernel on any backend (CPU included) for testing.
+    """
+    _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, tuning)
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[0]
+    group = heads // kv_heads
+    rows = _rows(tuning.block_q, group)
+    work = build_work_list(token_seq, block_tables.shape[0], tuning.block_q)
+    item_q, row_positions = _item_queries(q, positions, work, kv_heads, tuning.block_q, rows)
+    tables, lengths = _item_tables(block_tables, seq_lens, work, tuning.pages_per_block)
+    item_out = _prefill_items(item_q, row_positions, k_pages, v_pages, tables, lengths, sm_scale=sm_scale,
+                              logits_soft_cap=logits_soft_cap, tuning=tuning, interpret=interpret)
+    return _token_outputs(item_out, work, tokens, group)

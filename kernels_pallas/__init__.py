@@ -9,4 +9,5 @@ sequence after its cached tokens, over the same pool.
 from kernels_pallas.paged_decode import DecodeTuning, paged_decode_attention, paged_decode_reference
 from kernels_pallas.paged_prefill import PrefillTuning, paged_prefill_attention
 
-__all__ = ["DecodeTuning", "PrefillTuning", "paged_decode_attention", "paged_decode_reference", "paged_prefill_attention"]
+__all__ = ["DecodeTuning", "PrefillTuning", "paged_decode_attention", "paged_decode_reference",
+           "paged_prefill_attention"]

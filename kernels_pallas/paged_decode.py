@@ -26,15 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Score given to masked slots: finite, so a block whose slots are all masked yields exp(mask - max) = 0, not NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# Triton's dot needs at least this many rows and columns in each operand.
-MIN_DOT_DIM = 16
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
+from kernels_pallas.common import (MASK_VALUE, check_pool, check_tuning, online_softmax_step, padded_rows,
+                                   scaled_scores)
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTuning:
@@ -55,15 +48,7 @@ class DecodeTuning:
     """Software-pipelining stages of the page loop in Triton."""
 
     def __post_init__(self):
-        for name in ("pages_per_block", "k_splits", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"DecodeTuning.{name} must be a positive int, got {value!r}")
-        if not _is_power_of_two(self.pages_per_block):
-            raise ValueError(f"DecodeTuning.pages_per_block must be a power of two (Triton loads power-of-two "
-                             f"tiles), got {self.pages_per_block}")
-        if not _is_power_of_two(self.num_warps):
-            raise ValueError(f"DecodeTuning.num_warps must be a power of two, got {self.num_warps}")
+        check_tuning(self, ("pages_per_block", "k_splits", "num_warps", "num_stages"), ("pages_per_block", "num_warps"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,8 +84,9 @@ def _paged_decode_kernel(
     def fold_block(block, state):
         keys, values, visible = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here,
                                             first_page, length, pages_per_block)
-        scores = _block_scores(query, keys, visible, sm_scale, logits_soft_cap)
-        return _online_softmax_step(state, scores, values)
+        scores = scaled_scores(query, keys, sm_scale, logits_soft_cap)  # f32[group_rows, block_slots]
+        scores = jnp.where(lax.broadcast_in_dim(visible, scores.shape, (1,)), scores, MASK_VALUE)
+        return online_softmax_step(state, scores, values)
 
     state = (
         jnp.full((group_rows,), jnp.finfo(jnp.float32).min, jnp.float32),  # running max
@@ -132,41 +118,9 @@ def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, fi
     return keys, values, visible
 
 
-def _block_scores(query, keys, visible, sm_scale: float, logits_soft_cap: float | None):
-    """f32[group_rows, block_slots] scaled (and soft-capped) scores; masked slots get MASK_VALUE."""
-    scores = plgpu.dot(query, keys, trans_b=True, precision=_dot_precision(query.dtype)) * sm_scale
-    if logits_soft_cap is not None:
-        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-    return jnp.where(lax.broadcast_in_dim(visible, scores.shape, (1,)), scores, MASK_VALUE)
-
-
-def _online_softmax_step(state, scores, values):
-    """Folds one block into (running max f32[rows], running sum f32[rows], weighted values f32[rows, head_dim]).
-
-    Every visited block holds at least one visible slot (the loop stops at the last filled page), so the new max
-    is a real score and the masked slots' exp(MASK_VALUE - max) underflows to exactly 0.
-    """
-    running_max, total, weighted = state
-    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[group_rows]
-    rescale = jnp.exp(running_max - new_max)  # f32[group_rows]
-    probs = jnp.exp(scores - new_max[:, None])  # f32[group_rows, block_slots]
-    block_weighted = plgpu.dot(probs.astype(values.dtype), values, precision=_dot_precision(values.dtype))
-    return new_max, total * rescale + jnp.sum(probs, axis=1), weighted * rescale[:, None] + block_weighted
-
-
-def _dot_precision(dtype) -> lax.Precision:
-    """Full float32 products for float32 inputs (TF32 would cost accuracy, and decode is bound by memory anyway)."""
-    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Wrapper
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _group_rows(group: int) -> int:
-    """Query rows per program: the GQA group padded to a power of two of at least MIN_DOT_DIM (Triton's dot)."""
-    return max(MIN_DOT_DIM, 1 << (group - 1).bit_length())
 
 
 def _split_block_tables(block_tables: jax.Array, tuning: DecodeTuning) -> jax.Array:
@@ -241,24 +195,12 @@ def _combine_splits(
 
 def _check_shapes(q, k_pages, v_pages, block_tables, lengths, tuning: DecodeTuning):
     """Raises ValueError naming the first input that the kernel cannot take."""
-    seqs, heads, head_dim = q.shape
-    kv_heads, _, page_size, pool_head_dim = k_pages.shape
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages {k_pages.dtype}{k_pages.shape} and v_pages {v_pages.dtype}{v_pages.shape} must "
-                         f"have the same shape and dtype")
-    if pool_head_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} differs from the pool's head_dim {pool_head_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
-    if block_tables.ndim != 2 or block_tables.shape[0] != seqs or block_tables.dtype != jnp.int32:
+    check_pool(q, k_pages, v_pages, block_tables, tuning.pages_per_block)
+    seqs = q.shape[0]
+    if block_tables.shape[0] != seqs:
         raise ValueError(f"block_tables must be i32[{seqs}, max_pages], got {block_tables.dtype}{block_tables.shape}")
     if lengths.shape != (seqs,) or lengths.dtype != jnp.int32:
         raise ValueError(f"lengths must be i32[{seqs}], got {lengths.dtype}{lengths.shape}")
-    if not _is_power_of_two(head_dim) or not _is_power_of_two(page_size):
-        raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two (Triton tiles)")
-    if tuning.pages_per_block * page_size < MIN_DOT_DIM:
-        raise ValueError(f"pages_per_block * page_size = {tuning.pages_per_block} * {page_size} must be at least "
-                         f"{MIN_DOT_DIM} (Triton's dot); raise DecodeTuning.pages_per_block")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -292,7 +234,7 @@ def paged_decode_attention(
     kv_heads = k_pages.shape[0]
     group = heads // kv_heads
     grouped_q = q.reshape(seqs, kv_heads, group, head_dim)  # f[S, kv_heads, group, head_dim]
-    grouped_q = jnp.pad(grouped_q, ((0, 0), (0, 0), (0, _group_rows(group) - group), (0, 0)))
+    grouped_q = jnp.pad(grouped_q, ((0, 0), (0, 0), (0, padded_rows(group) - group), (0, 0)))
     partials = _decode_partials(grouped_q, k_pages, v_pages,
                                 _split_block_tables(block_tables, tuning), lengths, sm_scale=sm_scale,
                                 logits_soft_cap=logits_soft_cap, tuning=tuning, interpret=interpret)

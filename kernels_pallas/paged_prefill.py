@@ -33,13 +33,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.paged_decode import MASK_VALUE, MIN_DOT_DIM
+from kernels_pallas.common import MASK_VALUE, check_pool, check_tuning, online_softmax_step, padded_rows, scaled_scores
 
 _NO_POSITION = -1  # position of a query row that holds no token: it sees no slot
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +57,7 @@ class PrefillTuning:
     """Software-pipelining stages of the page loop in Triton."""
 
     def __post_init__(self):
-        for name in ("block_q", "pages_per_block", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"PrefillTuning.{name} must be a positive int, got {value!r}")
-        for name in ("pages_per_block", "num_warps"):
-            if not _is_power_of_two(getattr(self, name)):
-                raise ValueError(f"PrefillTuning.{name} must be a power of two (Triton tiles), "
-                                 f"got {getattr(self, name)}")
+        check_tuning(self, ("block_q", "pages_per_block", "num_warps", "num_stages"), ("pages_per_block", "num_warps"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -104,8 +93,8 @@ def _paged_prefill_kernel(
                                                    item_limit, pages_per_block)
         visible = (lax.broadcast_in_dim(slot_positions, (rows, slot_positions.shape[0]), (1,))
                    < lax.broadcast_in_dim(row_limits, (rows, slot_positions.shape[0]), (0,)))  # bool[rows, slots]
-        scores = _block_scores(query, keys, visible, sm_scale, logits_soft_cap)
-        return _online_softmax_step(state, scores, values)
+        scores = jnp.where(visible, scaled_scores(query, keys, sm_scale, logits_soft_cap), MASK_VALUE)
+        return online_softmax_step(state, scores, values)
 
     state = (
         jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),  # running max
@@ -134,35 +123,6 @@ def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, it
     in_item = slot_positions < item_limit  # bool[slots]
     values = jnp.where(lax.broadcast_in_dim(in_item, values.shape, (0,)), values, jnp.zeros((), values.dtype))
     return keys, values, slot_positions
-
-
-def _block_scores(query, keys, visible, sm_scale: float, logits_soft_cap: float | None):
-    """f32[rows, slots] scaled (and soft-capped) scores; masked slots get MASK_VALUE."""
-    scores = plgpu.dot(query, keys, trans_b=True, precision=_dot_precision(query.dtype)) * sm_scale
-    if logits_soft_cap is not None:
-        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-    return jnp.where(visible, scores, MASK_VALUE)
-
-
-def _online_softmax_step(state, scores, values):
-    """Folds one block into (running max f32[rows], running sum f32[rows], weighted values f32[rows, head_dim]).
-
-    Blocks are visited from slot 0, and every row holding a token sees slot 0, so its running max is a real score
-    after the first block and later masked slots give exp(MASK_VALUE - max) = 0 exactly. Rows without a token see
-    nothing and produce finite values that are never written back to a token.
-    """
-    running_max, total, weighted = state
-    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[rows]
-    rescale = jnp.exp(running_max - new_max)  # f32[rows]
-    probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, (0,)))  # f32[rows, slots]
-    block_weighted = plgpu.dot(probs.astype(values.dtype), values, precision=_dot_precision(values.dtype))
-    return (new_max, total * rescale + jnp.sum(probs, axis=1),
-            weighted * lax.broadcast_in_dim(rescale, weighted.shape, (0,)) + block_weighted)
-
-
-def _dot_precision(dtype) -> lax.Precision:
-    """Full float32 products for float32 inputs (TF32 would cost accuracy the tests check against)."""
-    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,11 +166,6 @@ def build_work_list(token_seq: jax.Array, num_seqs: int, block_q: int) -> WorkLi
 # ---------------------------------------------------------------------------------------------------------------
 # Wrapper
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _rows(block_q: int, group: int) -> int:
-    """Query rows per program: block_q * group padded to a power of two of at least MIN_DOT_DIM (Triton's dot)."""
-    return max(MIN_DOT_DIM, 1 << (block_q * group - 1).bit_length())
 
 
 def _item_queries(q, positions, work: WorkList, kv_heads: int, block_q: int, rows: int):
@@ -292,28 +247,13 @@ def _token_outputs(item_out, work: WorkList, tokens: int, group: int) -> jax.Arr
 
 def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, tuning: PrefillTuning):
     """Raises ValueError naming the first input that the kernel cannot take."""
-    tokens, heads, head_dim = q.shape
-    kv_heads, _, page_size, pool_head_dim = k_pages.shape
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages {k_pages.dtype}{k_pages.shape} and v_pages {v_pages.dtype}{v_pages.shape} must "
-                         f"have the same shape and dtype")
-    if pool_head_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} differs from the pool's head_dim {pool_head_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
-    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables must be i32[S, max_pages], got {block_tables.dtype}{block_tables.shape}")
-    seqs = block_tables.shape[0]
+    check_pool(q, k_pages, v_pages, block_tables, tuning.pages_per_block)
+    tokens, seqs = q.shape[0], block_tables.shape[0]
     if seq_lens.shape != (seqs,) or seq_lens.dtype != jnp.int32:
         raise ValueError(f"seq_lens must be i32[{seqs}], got {seq_lens.dtype}{seq_lens.shape}")
     for name, array in (("token_seq", token_seq), ("positions", positions)):
         if array.shape != (tokens,) or array.dtype != jnp.int32:
             raise ValueError(f"{name} must be i32[{tokens}], got {array.dtype}{array.shape}")
-    if not _is_power_of_two(head_dim) or not _is_power_of_two(page_size):
-        raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two (Triton tiles)")
-    if tuning.pages_per_block * page_size < MIN_DOT_DIM:
-        raise ValueError(f"pages_per_block * page_size = {tuning.pages_per_block} * {page_size} must be at least "
-                         f"{MIN_DOT_DIM} (Triton's dot); raise PrefillTuning.pages_per_block")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -349,7 +289,7 @@ def paged_prefill_attention(
     tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
     group = heads // kv_heads
-    rows = _rows(tuning.block_q, group)
+    rows = padded_rows(tuning.block_q * group)
     work = build_work_list(token_seq, block_tables.shape[0], tuning.block_q)
     item_q, row_positions = _item_queries(q, positions, work, kv_heads, tuning.block_q, rows)
     tables, lengths = _item_tables(block_tables, seq_lens, work, tuning.pages_per_block)

@@ -12,6 +12,7 @@ import pytest
 
 from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedAttentionMetadata, paged_attention_reference
 from kernels_pallas import DecodeTuning, paged_decode_attention, paged_decode_reference
+from tests.cuda_lowering import export_for_h100, triton_calls
 
 PAGE_SIZE = 8
 MAX_PAGES = 4  # per sequence
@@ -21,8 +22,6 @@ TUNING = DecodeTuning(pages_per_block=2)  # 16-slot key tiles: the smallest Trit
 # Lengths at every page-boundary case: empty, one token, page edges, and a full block table.
 LENGTHS = (0, 1, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1, MAX_PAGES * PAGE_SIZE)
 TOLERANCES = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-TRITON_TARGET = "__gpu$xla.gpu.triton"
-H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 
 
 def _pages_needed(length: int) -> int:
@@ -139,14 +138,7 @@ def _avals(dtype, seqs=4, group=4, head_dim=128, num_pages=64, page_size=16, max
 @pytest.mark.parametrize("tuning", [DecodeTuning(), DecodeTuning(k_splits=4, pages_per_block=2)],
                          ids=["default", "4splits"])
 def test_lowers_for_cuda_through_triton(dtype, tuning):
-    """The real Pallas-to-Triton lowering runs on a host without a GPU, under an abstract H100."""
     attend = functools.partial(paged_decode_attention, sm_scale=0.1, logits_soft_cap=30.0, tuning=tuning)
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(
-            jax.jit(attend), platforms=["cuda"],
-            # Triton kernels are serialized into the custom call, which has no cross-version compatibility promise.
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)],
-        )(*_avals(dtype))
+    exported = export_for_h100(attend, *_avals(dtype))
     assert exported.platforms == ("cuda",)
-    assert exported.mlir_module().count(f"custom_call @{TRITON_TARGET}") == 1
+    assert triton_calls(exported) == 1

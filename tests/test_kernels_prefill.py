@@ -16,6 +16,7 @@ from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedAttentionMetadata, pag
 from jaxserve.runner.paged_inputs import build_metadata
 from kernels_pallas import paged_decode_reference
 from kernels_pallas.paged_prefill import PrefillTuning, build_work_list, paged_prefill_attention
+from tests.cuda_lowering import export_for_h100, triton_calls
 
 
 class Chunk(NamedTuple):
@@ -32,8 +33,6 @@ KV_HEADS = 2
 FREE_PAGES = 4  # pages no sequence owns, poisoned with NaN
 TUNING = PrefillTuning(block_q=4, pages_per_block=2)  # 16-slot key tiles: the smallest Triton's dot takes
 TOLERANCES = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-TRITON_TARGET = "__gpu$xla.gpu.triton"
-H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 
 # (sequence length after the step, query tokens this step): a row with nothing scheduled, decode tokens at lengths
 # 1, page-1 and full, whole prompts of page and page+1 tokens, and prefill chunks after cached context (one
@@ -205,14 +204,7 @@ def _avals(dtype, tokens=64, seqs=4, group=4, head_dim=128, num_pages=64, page_s
 @pytest.mark.parametrize("tuning", [PrefillTuning(), PrefillTuning(block_q=1, pages_per_block=2)],
                          ids=["default", "q1"])
 def test_lowers_for_cuda_through_triton(dtype, tuning):
-    """The real Pallas-to-Triton lowering runs on a host without a GPU, under an abstract H100."""
     attend = functools.partial(paged_prefill_attention, sm_scale=0.1, logits_soft_cap=30.0, tuning=tuning)
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(
-            jax.jit(attend), platforms=["cuda"],
-            # Triton kernels are serialized into the custom call, which has no cross-version compatibility promise.
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)],
-        )(*_avals(dtype))
+    exported = export_for_h100(attend, *_avals(dtype))
     assert exported.platforms == ("cuda",)
-    assert exported.mlir_module().count(f"custom_call @{TRITON_TARGET}") == 1
+    assert triton_calls(exported) == 1

@@ -1,0 +1,83 @@
+"""Pieces both paged-attention kernels share: Triton's limits, input checks, the scores and the online softmax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+# Score given to masked slots: finite, so a block whose slots are all masked yields exp(mask - max) = 0, not NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Triton's dot needs at least this many rows and columns in each operand.
+MIN_DOT_DIM = 16
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_tuning(tuning, positive_fields: tuple[str, ...], power_of_two_fields: tuple[str, ...]) -> None:
+    """Raises ValueError naming the first tuning field that is not a positive int or not a power of two."""
+    kind = type(tuning).__name__
+    for name in positive_fields:
+        value = getattr(tuning, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{kind}.{name} must be a positive int, got {value!r}")
+    for name in power_of_two_fields:
+        if not is_power_of_two(getattr(tuning, name)):
+            raise ValueError(f"{kind}.{name} must be a power of two (Triton tiles), got {getattr(tuning, name)}")
+
+
+def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+               pages_per_block: int) -> None:
+    """Raises ValueError for a query, pool or block table the kernels cannot take (shapes shared by both kernels)."""
+    heads, head_dim = q.shape[1:]
+    kv_heads, _, page_size, pool_head_dim = k_pages.shape
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.dtype}{k_pages.shape} and v_pages {v_pages.dtype}{v_pages.shape} must "
+                         f"have the same shape and dtype")
+    if pool_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} differs from the pool's head_dim {pool_head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be i32[S, max_pages], got {block_tables.dtype}{block_tables.shape}")
+    if not is_power_of_two(head_dim) or not is_power_of_two(page_size):
+        raise ValueError(f"head_dim ({head_dim}) and page_size ({page_size}) must be powers of two (Triton tiles)")
+    if pages_per_block * page_size < MIN_DOT_DIM:
+        raise ValueError(f"pages_per_block * page_size = {pages_per_block} * {page_size} must be at least "
+                         f"{MIN_DOT_DIM} (Triton's dot); raise the tuning's pages_per_block")
+
+
+def padded_rows(rows: int) -> int:
+    """Query rows per program: padded to a power of two of at least MIN_DOT_DIM (Triton's dot)."""
+    return max(MIN_DOT_DIM, 1 << (rows - 1).bit_length())
+
+
+def scaled_scores(query, keys, sm_scale: float, logits_soft_cap: float | None):
+    """f32[rows, slots] = query · keysᵀ * sm_scale, then cap * tanh(score / cap) when a soft-cap is given."""
+    scores = plgpu.dot(query, keys, trans_b=True, precision=dot_precision(query.dtype)) * sm_scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+    return scores
+
+
+def online_softmax_step(state, scores, values):
+    """Folds one block into (running max f32[rows], running sum f32[rows], weighted values f32[rows, head_dim]).
+
+    Callers visit blocks from slot 0 and every row that holds a query sees slot 0, so its running max is a real
+    score after the first block and masked slots give exp(MASK_VALUE - max) = 0 exactly.
+    """
+    running_max, total, weighted = state
+    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[rows]
+    rescale = jnp.exp(running_max - new_max)  # f32[rows]
+    probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, (0,)))  # f32[rows, slots]
+    block_weighted = plgpu.dot(probs.astype(values.dtype), values, precision=dot_precision(values.dtype))
+    return (new_max, total * rescale + jnp.sum(probs, axis=1),
+            weighted * lax.broadcast_in_dim(rescale, weighted.shape, (0,)) + block_weighted)
+
+
+def dot_precision(dtype) -> lax.Precision:
+    """Full float32 products for float32 inputs (TF32 would cost accuracy the tests check against)."""
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT

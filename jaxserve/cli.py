@@ -1,4 +1,5 @@
-"""The `jaxserve` command: `generate` and `run-batch` (offline), `convert` (HF safetensors to Orbax).
+"""The `jaxserve` command: `serve` (the OpenAI-compatible server), `generate` and `run-batch` (offline), `convert`
+(HF safetensors to Orbax).
 
 Bad input ends in one line on stderr and exit code 2, never a traceback.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference on JAX/XLA.")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve the OpenAI API over HTTP")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL",
+                       help="HF or converted folder (default: the built-in tiny random model)")
+    _add_engine_flags(serve)
+    _add_server_flags(serve)
+    serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", help="generate text offline and print it")
     _add_engine_flags(generate)
@@ -74,13 +84,51 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--attention-backend", help="paged attention: xla, pallas (GPU kernel), pallas-interpret (the kernel on a CPU)")
+    parser.add_argument("--attention-backend", help="paged attention: auto (default: pallas on a GPU, else xla), "
+                        "pallas (the Pallas kernel) or xla")
+    parser.add_argument("--pallas-interpret", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the Pallas kernel through Pallas' interpreter (slow; on any device, CPU included)")
     parser.add_argument("--seed", type=int)
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1 routes (default: $JAXSERVE_API_KEY)")
+    parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="requests queued beyond the running batch; more are answered 503 at once")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM")
+    parser.add_argument("--profile-dir", type=Path, help="enables /start_profile and /stop_profile, traces go here")
 
 
 def _engine_settings(args: argparse.Namespace):
     overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSettings)}
     return load_settings(args.config, overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.serve import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise JaxserveError(f"two models given: {args.model_path} and --model {args.model}")
+        args.model = args.model_path
+    settings = _engine_settings(args)
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or None,
+        served_model_name=args.served_model_name or _model_name(settings.model),
+        max_waiting_requests=args.max_waiting_requests, drain_timeout_s=args.drain_timeout,
+        profile_dir=args.profile_dir)
+    return serve(settings, config)
+
+
+def _model_name(model: str | None) -> str:
+    return Path(model).name if model else "jaxserve-builtin"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -114,7 +162,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     if not args.input_file.is_file():
         raise JaxserveError(f"batch input file not found: {args.input_file}")
     llm = LLM(**settings.llm_kwargs())
-    name = args.served_model_name or (Path(settings.model).name if settings.model else "jaxserve-builtin")
+    name = args.served_model_name or _model_name(settings.model)
     with _profiling(args.profile_dir):
         succeeded, failed = run_batch(llm, args.input_file, args.output_file, name)
     print(f"wrote {succeeded + failed} results to {args.output_file} ({succeeded} succeeded, {failed} failed)")

@@ -31,3 +31,11 @@ class InvalidRequestError(JaxserveError):
 
 class ConfigError(JaxserveError):
     """A settings file or flag is unknown or has a value of the wrong kind."""
+
+
+class EngineStepError(Exception):
+    """A step of the engine failed while running the request; the server answers 500 and keeps serving."""
+
+
+class EngineDeadError(Exception):
+    """The engine thread is gone (failed or shutting down): nothing more can run; the server answers 503."""

@@ -39,3 +39,16 @@ class RequestOutput:
     # With prompt_logprobs: per prompt token, None for the first (nothing predicts it), then the token's own
     # log-probability given the tokens before it, plus that many top candidates; None when not asked for
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionDelta:
+    """What one step added to one continuation of a streaming request."""
+
+    request_id: str  # the caller's id of the request
+    index: int  # which of the request's continuations grew
+    text: str  # text released by this step; empty while a possible stop string is held back
+    token_ids: tuple[int, ...]  # the tokens this step generated for the continuation
+    logprobs: list[dict[int, Logprob]] | None  # per new token: its candidates, when logprobs were asked for
+    finish_reason: str | None  # set on the continuation's last delta: "stop" or "length"
+    stop_reason: int | str | None  # the stop token id or stop string that matched, on the last delta

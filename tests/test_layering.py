@@ -11,3 +11,35 @@ import pytest
 def test_module_imports_without_jax(module):
     code = f"import sys, {module}; sys.exit(1 if 'jax' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0, f"{module} imported JAX"
+
+
+# Each layer and the layers it must never import: imports run server → engine → runner → model → kernels.
+_FORBIDDEN = {
+    "kernels_pallas": ("jaxserve",),
+    "jaxserve/model": ("jaxserve.runner", "jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server"),
+    "jaxserve/runner": ("jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server"),
+    "jaxserve/engine": ("jaxserve.entrypoints", "jaxserve.server"),
+    "jaxserve/entrypoints": ("jaxserve.server",),
+}
+
+
+def _imported_modules(path):
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+@pytest.mark.parametrize("layer", sorted(_FORBIDDEN))
+def test_imports_run_downward_only(layer):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted((root / layer).rglob("*.py"))
+    assert files, f"no Python files under {layer}"
+    wrong = [(f.relative_to(root), m) for f in files for m in _imported_modules(f)
+             if any(m == up or m.startswith(up + ".") for up in _FORBIDDEN[layer])]
+    assert not wrong, f"upward imports: {wrong}"

@@ -25,7 +25,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from jaxserve.engine.sequence import Sequence
 from jaxserve.errors import InvalidRequestError
-from jaxserve.outputs import Logprob, RequestOutput
+from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
 from jaxserve.runner.host_sampler import SampledToken
 from jaxserve.runner.model_runner import (ModelRunner, PendingStep, PromptScores, RunnerConfig, SampledBatch,
                                           largest_step_workspace_bytes)
@@ -45,6 +45,7 @@ class _Tracked:
     sequences: dict[str, Sequence]  # child id -> output assembly
     num_prompt_top: int | None  # prompt_logprobs: top candidates per prompt token; None when not asked for
     prompt_logprobs: dict[int, dict[int, Logprob]]  # prompt position (from 1) -> its candidates, filled chunk by chunk
+    stream: bool = False  # each step's new tokens are reported as CompletionDelta (pop_deltas)
 
     def record_prompt_scores(self, scores: PromptScores, tokenizer: Tokenizer) -> None:
         """Files one chunk's scores by prompt position; a position already filled (recomputed) keeps its first."""
@@ -92,10 +93,14 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._draw_seeds = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
+        self._deltas: list[CompletionDelta] = []
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
-        """Queues a prompt for `params.n` continuations; raises InvalidRequestError (changing nothing) if it cannot run."""
+                    prompt: str | None = None, stream: bool = False) -> None:
+        """Queues a prompt for `params.n` continuations; raises InvalidRequestError (changing nothing) if it cannot run.
+
+        With `stream`, every token the request's continuations gain is also reported through `pop_deltas`.
+        """
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         ids = tuple(prompt_token_ids)
@@ -105,7 +110,7 @@ class LLMEngine:
         children = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         base_seed = params.seed if params.seed is not None else int(self._draw_seeds.integers(2**32))
         tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
-                           prompt_logprobs={})
+                           prompt_logprobs={}, stream=stream)
         for index, child in enumerate(children):
             self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new))
             tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
@@ -119,6 +124,24 @@ class LLMEngine:
         for child in tracked.children if tracked else ():
             self.scheduler.abort_request(child)
             self._forget(child)
+
+    def abort_all_requests(self) -> list[str]:
+        """After a failed step: drops every request and the step in flight; returns the aborted request ids.
+
+        A failure inside the device step may have consumed the donated pool, so the runner gets a fresh one.
+        """
+        aborted = list(self._tracked)
+        for request_id in aborted:
+            self.abort_request(request_id)
+        self._in_flight = None
+        self._deltas.clear()
+        self.runner.replace_lost_pool()
+        return aborted
+
+    def pop_deltas(self) -> list[CompletionDelta]:
+        """The streaming requests' new tokens since the last call, in the order they were generated."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or self._in_flight is not None
@@ -185,7 +208,12 @@ class LLMEngine:
     def _append(self, child: str, token: SampledToken) -> RequestOutput | None:
         tracked = self._tracked[self._parent_of[child]]
         sequence = tracked.sequences[child]
-        sequence.append(token)
+        text = sequence.append(token)
+        if tracked.stream:
+            self._deltas.append(CompletionDelta(
+                request_id=tracked.request_id, index=sequence.index, text=text, token_ids=(token.token_id,),
+                logprobs=sequence.logprobs[-1:] if sequence.logprobs is not None else None,
+                finish_reason=sequence.finish_reason, stop_reason=sequence.stop_reason))
         if not sequence.finished:
             return None
         self.scheduler.finish_request(child, sequence.finish_reason)

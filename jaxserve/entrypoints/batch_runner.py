@@ -108,6 +108,6 @@ def _result_line(item: BatchItem, result, model_name: str) -> dict[str, Any]:
     if item.error is not None:
         response = {"status_code": 400, "request_id": request_id, "body": item.error}
     else:
-        body = chat_completion_body(result, model_name) if item.chat else completion_body(result, model_name)
+        body = chat_completion_body(result, model_name) if item.chat else completion_body([result], model_name)
         response = {"status_code": 200, "request_id": request_id, "body": body}
     return {"id": request_id, "custom_id": item.custom_id, "response": response, "error": None}

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
 
 # Body fields that map one to one onto SamplingParams.
 _PASSED_THROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -52,14 +54,46 @@ def _requested_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return body.get("top_logprobs") or 0
 
 
-def completion_body(output: RequestOutput, model: str) -> dict[str, Any]:
-    """The /v1/completions response for one prompt's result."""
+def completion_body(outputs: Sequence[RequestOutput], model: str, echo_tokenizer: Tokenizer | None = None,
+                    ) -> dict[str, Any]:
+    """The /v1/completions response: continuation j of prompt i is choice i * n + j.
+
+    With `echo_tokenizer`, each choice starts with its prompt (text, and log-probabilities when asked for); the
+    tokenizer spells the prompt's tokens.
+    """
     return {
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c),
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs],
-        "usage": _usage(output),
+        "choices": [_completion_choice(output, c, i * len(output.outputs) + c.index, echo_tokenizer)
+                    for i, output in enumerate(outputs) for c in output.outputs],
+        "usage": usage(outputs),
     }
+
+
+def completion_chunk(chunk_id: str, created: int, model: str, index: int, text: str,
+                     logprobs: dict[str, Any] | None, finish_reason: str | None,
+                     stop_reason: int | str | None) -> dict[str, Any]:
+    """One streamed /v1/completions event: what one choice gained."""
+    return {"id": chunk_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
+
+
+def usage_chunk(chunk_id: str, created: int, model: str, kind: str, usage_body: dict[str, int]) -> dict[str, Any]:
+    """The last streamed event with `stream_options.include_usage`: no choices, the request's usage."""
+    return {"id": chunk_id, "object": kind, "created": created, "model": model, "choices": [], "usage": usage_body}
+
+
+def _completion_choice(output: RequestOutput, completion: CompletionOutput, index: int,
+                       echo_tokenizer: Tokenizer | None) -> dict[str, Any]:
+    text, logprobs = completion.text, completion_logprobs(completion.token_ids, completion.logprobs)
+    if echo_tokenizer is not None:
+        prompt_text = output.prompt if output.prompt is not None else echo_tokenizer.decode(
+            list(output.prompt_token_ids))
+        text = prompt_text + text
+        if logprobs is not None:
+            logprobs = _joined_logprobs(_prompt_logprobs(output, echo_tokenizer), logprobs)
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason}
 
 
 def chat_completion_body(output: RequestOutput, model: str) -> dict[str, Any]:
@@ -70,7 +104,7 @@ def chat_completion_body(output: RequestOutput, model: str) -> dict[str, Any]:
         "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                      "logprobs": _chat_logprobs(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     for c in output.outputs],
-        "usage": _usage(output),
+        "usage": usage([output]),
     }
 
 
@@ -79,21 +113,47 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def _completion_logprobs(completion: CompletionOutput) -> dict[str, Any] | None:
-    """The legacy completions shape: parallel lists of tokens, their logprobs and the top alternatives."""
-    if completion.logprobs is None:
+def completion_logprobs(token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None,
+                        first_offset: int = 0) -> dict[str, Any] | None:
+    """The legacy completions shape: parallel lists of tokens, their logprobs, the top alternatives, text offsets."""
+    if logprobs is None:
         return None
-    sampled = [candidates[token] for token, candidates in zip(completion.token_ids, completion.logprobs)]
-    offsets, position = [], 0
-    for entry in sampled:
-        offsets.append(position)
-        position += len(entry.decoded_token)
+    sampled = [candidates[token] for token, candidates in zip(token_ids, logprobs)]
     return {
         "tokens": [entry.decoded_token for entry in sampled],
         "token_logprobs": [entry.logprob for entry in sampled],
-        "top_logprobs": [{c.decoded_token: c.logprob for c in candidates.values()} for candidates in completion.logprobs],
-        "text_offset": offsets,
+        "top_logprobs": [{c.decoded_token: c.logprob for c in candidates.values()} for candidates in logprobs],
+        "text_offset": _offsets([entry.decoded_token for entry in sampled], first_offset),
     }
+
+
+def _prompt_logprobs(output: RequestOutput, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The echoed prompt's entries: nothing predicts its first token, so that one has no log-probability."""
+    scored = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    tokens = [candidates[token].decoded_token if candidates else tokenizer.decode([token], skip_special_tokens=False)
+              for token, candidates in zip(output.prompt_token_ids, scored)]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [candidates[token].logprob if candidates else None
+                           for token, candidates in zip(output.prompt_token_ids, scored)],
+        "top_logprobs": [{c.decoded_token: c.logprob for c in candidates.values()} if candidates else None
+                         for candidates in scored],
+        "text_offset": _offsets(tokens, 0),
+    }
+
+
+def _joined_logprobs(prompt: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
+    joined = {key: prompt[key] + completion[key] for key in ("tokens", "token_logprobs", "top_logprobs")}
+    joined["text_offset"] = _offsets(joined["tokens"], 0)
+    return joined
+
+
+def _offsets(pieces: list[str], first: int) -> list[int]:
+    offsets, position = [], first
+    for piece in pieces:
+        offsets.append(position)
+        position += len(piece)
+    return offsets
 
 
 def _chat_logprobs(completion: CompletionOutput) -> dict[str, Any] | None:
@@ -111,9 +171,10 @@ def _chat_logprobs(completion: CompletionOutput) -> dict[str, Any] | None:
     return {"content": content}
 
 
-def _usage(output: RequestOutput) -> dict[str, int]:
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    prompt_tokens = len(output.prompt_token_ids)
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    """Token counts of a response, summed over its prompts and their continuations."""
+    completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 

@@ -28,7 +28,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.model.config import LlamaConfig
-from jaxserve.model.paged_kv_cache import PagedKVCache
+from jaxserve.model.paged_kv_cache import XLA_BACKEND, PagedKVCache
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
@@ -48,7 +48,9 @@ class RunnerConfig:
     max_model_len: int  # longest sequence; sets the block-table width
     page_size: int  # tokens per KV page
     num_pages: int  # pages in the pool, the null page 0 included
-    attention_backend: str = "xla"  # which paged attention implementation runs
+    # Which ATTENTION_BACKENDS entry attends (xla, pallas, pallas-interpret); resolve_attention_backend turns a
+    # user's auto|pallas|xla and interpret switch into one.
+    attention_backend: str = XLA_BACKEND
     max_logprobs: int = 20  # top log-probabilities computed per row (requests ask for at most this many)
     max_logit_bias: int = 64  # logit_bias entries per request
     max_stop_ids: int = 16  # EOS plus stop_token_ids per request (masked while min_tokens is unmet)
@@ -137,9 +139,7 @@ class ModelRunner:
         self.buckets = BucketSet.for_limits(config.max_num_batched_tokens, config.max_num_seqs)
         self.guard = CompileGuard(raise_on_compile=config.raise_on_compile)
         self._history_width = 1 << (config.max_model_len - 1).bit_length()
-        self.pool = PagedKVCache.zeros(model_config.num_hidden_layers, config.num_pages, config.page_size,
-                                       model_config.num_key_value_heads, model_config.head_dim, dtype,
-                                       attention_backend=config.attention_backend)
+        self.pool = self._fresh_pool(dtype)
         self._last_tokens = jnp.zeros(self.buckets.seq_sizes[-1], jnp.int32)  # i32[max_rows]
         self._last_rows: dict[str, int] = {}  # request id -> its row in the previous step's samples
         self._jitted = jax.jit(functools.partial(run_step, graphdef), static_argnames="num_top_logprobs",
@@ -185,6 +185,20 @@ class ModelRunner:
             prompt_logits=any(c.wants_prompt_logits for c in chunks),
         )
         return bucket, self._step_arrays(chunks, rows, bucket)
+
+    def replace_lost_pool(self) -> None:
+        """After a failed step: a pool whose buffers the failed program consumed (donation) is replaced by zeros.
+
+        Its contents belonged to the requests the failure ended, so nothing of value is lost.
+        """
+        if any(page.is_deleted() for page in jax.tree.leaves(self.pool)):
+            self.pool = self._fresh_pool(self.pool.k_pages[0].dtype)
+        self._last_rows = {}
+
+    def _fresh_pool(self, dtype) -> PagedKVCache:
+        return PagedKVCache.zeros(self.model_config.num_hidden_layers, self.config.num_pages, self.config.page_size,
+                                  self.model_config.num_key_value_heads, self.model_config.head_dim, dtype,
+                                  attention_backend=self.config.attention_backend)
 
     def _execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> PendingStep:
         # Host spans in profiler traces; the device side carries the step's own named scopes.

@@ -1,0 +1,197 @@
+"""`AsyncEngine`: the engine on a thread of its own, driven from asyncio without polling.
+
+Handlers call `generate()`, an async iterator over one request's deltas and its final output, and leave it early to
+abort the request. Commands (add, abort, ping, stop) reach the engine thread through a queue: the thread blocks on it
+while it has nothing to run and drains it between steps while it does. Results go back to the event loop with one
+`call_soon_threadsafe` per step, for all requests of the step together.
+
+A thread rather than a process: JAX releases the GIL while the device runs and the step's host work is small, so the
+HTTP handlers and the loop share the interpreter well, and no request or result has to be pickled between processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.scheduler_output import SchedulerStats
+from jaxserve.errors import EngineDeadError, EngineStepError
+from jaxserve.outputs import CompletionDelta, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+EngineEvent = CompletionDelta | RequestOutput  # what generate() yields; the RequestOutput comes last
+
+
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    request_id: str  # unique among live requests
+    prompt_token_ids: tuple[int, ...]  # what the model sees
+    params: SamplingParams  # how to sample
+    prompt: str | None  # prompt text, when the request gave text
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    request_id: str  # a request whose caller left; unknown or finished ids are ignored
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ping:
+    answer: asyncio.Future  # resolved with the scheduler's stats once the thread reads this command
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """Owns the engine thread; every public method runs on the event loop that called `start`."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.stats: SchedulerStats = engine.stats()  # refreshed by the engine thread after every step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}  # live request id -> its events; touched on the loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None  # why the engine thread ended, when it ended unasked
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Ends the engine thread after its current step; requests still running get EngineDeadError."""
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join)
+        self._fail_streams(EngineDeadError("the engine is shutting down"))
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests submitted whose final output has not been delivered yet."""
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       prompt: str | None = None) -> AsyncIterator[EngineEvent]:
+        """Yields the request's deltas, then its RequestOutput; leaving early (close, cancel) aborts the request.
+
+        Raises InvalidRequestError when the engine refuses the request, EngineStepError when a step running it
+        failed, EngineDeadError when the engine thread is gone. Use it under `contextlib.aclosing` so that the
+        abort happens as soon as the caller leaves.
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already live")
+        events: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = events
+        self._commands.put(_Add(request_id, tuple(prompt_token_ids), params, prompt))
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, RequestOutput):
+                    return
+        finally:
+            if self._streams.pop(request_id, None) is not None:
+                self._commands.put(_Abort(request_id))
+
+    async def check_health(self, timeout: float) -> SchedulerStats:
+        """Proves the engine thread takes commands (it answers between steps); raises EngineDeadError otherwise."""
+        self._check_alive()
+        answer = asyncio.get_running_loop().create_future()
+        self._commands.put(_Ping(answer))
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            raise EngineDeadError(f"the engine did not answer within {timeout:g} s") from None
+
+    def _check_alive(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running ({self._failure or 'stopped'})")
+
+    # --- the engine thread -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._next_commands(block=not self.engine.has_unfinished_requests())
+                if any(isinstance(c, _Stop) for c in commands):
+                    return
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.stats = self.engine.stats()
+        except BaseException as e:  # the loop itself broke: nothing more will run, so every caller must hear
+            log.exception("the engine thread failed")
+            self._failure = e
+            self._call_on_loop(self._fail_streams, EngineDeadError(f"the engine thread failed: {e!r}"))
+
+    def _next_commands(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                commands.append(self._commands.get_nowait())
+        return commands
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                        prompt=command.prompt, stream=True)
+            except Exception as e:  # refused (InvalidRequestError) or broken: only this request hears of it
+                self._call_on_loop(self._deliver, [(command.request_id, e)])
+        elif isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+        elif isinstance(command, _Ping):
+            self._call_on_loop(_resolve, command.answer, self.engine.stats())
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except Exception as e:
+            log.exception("an engine step failed; its requests end with an error, the engine goes on")
+            failure = EngineStepError(f"the engine failed while running this request: {e!r}")
+            self._call_on_loop(self._deliver, [(rid, failure) for rid in self.engine.abort_all_requests()])
+            return
+        events = [(d.request_id, d) for d in self.engine.pop_deltas()] + [(o.request_id, o) for o in finished]
+        if events:
+            self._call_on_loop(self._deliver, events)
+
+    def _call_on_loop(self, callback, *args) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to hear
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    # --- back on the event loop ---------------------------------------------------------------------------------
+
+    def _deliver(self, events: list[tuple[str, EngineEvent | BaseException]]) -> None:
+        for request_id, event in events:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # the caller left; its abort is on the way to the engine thread
+            stream.put_nowait(event)
+            if isinstance(event, (RequestOutput, BaseException)):
+                del self._streams[request_id]
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._deliver([(request_id, error)])
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():  # a health check that timed out has cancelled its future
+        future.set_result(value)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: Quart handlers over the engine thread (`AsyncEngine`), run by Hypercorn."""

@@ -1,0 +1,60 @@
+"""Every failure leaves the server as OpenAI's error JSON with a fitting status: never HTML, never a traceback."""
+
+from __future__ import annotations
+
+import logging
+
+from quart import Quart, Response, jsonify
+from werkzeug.exceptions import HTTPException
+
+from jaxserve.entrypoints.openai_body import error_body
+from jaxserve.errors import EngineDeadError, EngineStepError, InvalidRequestError, JaxserveError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """A request the server refuses, with the status and OpenAI error fields to answer it."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status  # HTTP status
+        self.message = message  # shown to the client: never a secret
+        self.param = param  # the request field at fault
+        self.kind = kind  # OpenAI's error "type"
+        self.headers = headers or {}  # e.g. Retry-After on 503
+
+
+def error_response(error: ApiError) -> Response:
+    response = jsonify(error_body(error.message, error.param, error.kind))
+    response.status_code = error.status
+    response.headers.update(error.headers)
+    return response
+
+
+def as_api_error(error: BaseException) -> ApiError:
+    """The ApiError a failure is answered with: bad input 400, engine failures 500/503, anything else 500."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return ApiError(400, str(error), error.param)
+    if isinstance(error, JaxserveError):
+        return ApiError(400, str(error))
+    if isinstance(error, EngineDeadError):
+        return ApiError(503, str(error), kind="service_unavailable", headers={"Retry-After": "5"})
+    if isinstance(error, EngineStepError):
+        return ApiError(500, str(error), kind="server_error")
+    if isinstance(error, HTTPException):
+        return ApiError(error.code or 500, error.description or error.name,
+                        kind="invalid_request_error" if (error.code or 500) < 500 else "server_error")
+    log.error("unexpected failure while serving a request", exc_info=error)
+    return ApiError(500, "internal server error", kind="server_error")
+
+
+def register_error_handlers(app: Quart) -> None:
+    async def handle(error: Exception) -> Response:
+        return error_response(as_api_error(error))
+
+    for kind in (ApiError, JaxserveError, EngineDeadError, EngineStepError, HTTPException, Exception):
+        app.register_error_handler(kind, handle)

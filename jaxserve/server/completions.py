@@ -1,0 +1,145 @@
+"""POST /v1/completions: text or token-id prompts (one or many), echo, logprobs, streaming."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Blueprint, Response, jsonify
+
+from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk,
+                                              completion_logprobs, error_body, sampling_params_from_body, usage,
+                                              usage_chunk)
+from jaxserve.entrypoints.prompts import TokenizedPrompt, check_prompt, tokenize_prompt
+from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.api_errors import ApiError, as_api_error
+from jaxserve.server.app import ServerContext, check_model, json_body, server_context
+from jaxserve.server.request_fields import check_limits, flag, include_usage
+from jaxserve.server.sse import DONE, sse_event, sse_response
+from jaxserve.server.streams import final_outputs, merged_events
+
+blueprint = Blueprint("completions", __name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """A checked /v1/completions body."""
+
+    prompts: list[TokenizedPrompt]  # one request in the engine each
+    params: SamplingParams  # shared by all prompts
+    echo: bool  # each choice starts with its prompt
+    prompt_only: bool  # max_tokens 0 with echo: one token is generated (the engine needs one) and dropped
+    stream: bool  # answer as server-sent events
+    include_usage: bool  # streaming: a last event with the usage
+
+
+@blueprint.post("/v1/completions")
+async def create_completion() -> Response:
+    context = server_context()
+    body = await json_body()
+    check_model(body, context)
+    request = parse_completion_request(body, context)
+    model = context.config.served_model_name
+    if request.stream:
+        events = _completion_events(context, request, model)
+        first = await anext(events)  # a request the engine refuses still gets its 400 before the stream starts
+        return sse_response(_prepend(first, events))
+    outputs = await final_outputs(context.engine, request.prompts, request.params)
+    if request.prompt_only:
+        outputs = [_without_generated(output) for output in outputs]
+    return jsonify(completion_body(outputs, model, echo_tokenizer=context.tokenizer if request.echo else None))
+
+
+def parse_completion_request(body: dict[str, Any], context: ServerContext) -> CompletionRequest:
+    prompts = _prompts(body.get("prompt"), context)
+    echo, stream = flag(body, "echo"), flag(body, "stream")
+    prompt_only = echo and body.get("max_tokens") == 0
+    fields = {**body, "max_tokens": 1} if prompt_only else body
+    params = sampling_params_from_body(fields, chat=False, default_max_tokens=OPENAI_DEFAULT_MAX_TOKENS)
+    if echo and params.logprobs is not None:
+        if stream:
+            raise ApiError(400, "echo with logprobs is not supported when streaming", param="echo")
+        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+    check_limits(params, len(prompts), context.config)
+    return CompletionRequest(prompts, params, echo, prompt_only, stream, include_usage(body))
+
+
+def _prompts(prompt: Any, context: ServerContext) -> list[TokenizedPrompt]:
+    """The four prompt forms: text, list of texts, token ids, list of token-id lists."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of "
+                            "token-id lists", param="prompt")
+    tokenized = []
+    for item in prompt:
+        if _is_token_ids(item):
+            tokenized.append(tokenize_prompt({"prompt_token_ids": item}, context.tokenizer))
+        elif isinstance(item, str):
+            tokenized.append(tokenize_prompt(item, context.tokenizer))
+        else:
+            raise ApiError(400, "each prompt must be a string or a list of token ids", param="prompt")
+    for p in tokenized:
+        check_prompt(p, context.vocab_size, context.max_model_len)
+    return tokenized
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+async def _completion_events(context: ServerContext, request: CompletionRequest, model: str,
+                             ) -> AsyncIterator[bytes]:
+    chunk_id, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), request.params.n
+    finished: list[RequestOutput] = []
+    try:
+        if request.echo:
+            for i, prompt in enumerate(request.prompts):
+                text = prompt.text if prompt.text is not None else context.tokenizer.decode(list(prompt.token_ids))
+                for j in range(n):
+                    yield sse_event(completion_chunk(chunk_id, created, model, i * n + j, text, None, None, None))
+        async with contextlib.aclosing(merged_events(context.engine, request.prompts, request.params)) as events:
+            async for i, event in events:
+                if isinstance(event, RequestOutput):
+                    finished.append(event)
+                elif request.prompt_only:
+                    if event.finish_reason is not None:
+                        yield sse_event(completion_chunk(chunk_id, created, model, i * n + event.index, "", None,
+                                                         "length", None))
+                elif event.text or event.finish_reason or event.logprobs:
+                    yield sse_event(_delta_chunk(chunk_id, created, model, i * n + event.index, event))
+        if request.include_usage:
+            if request.prompt_only:
+                finished = [_without_generated(output) for output in finished]
+            yield sse_event(usage_chunk(chunk_id, created, model, "text_completion", usage(finished)))
+    except Exception as e:  # after the first event the status is sent: the error travels as an event
+        error = as_api_error(e)
+        yield sse_event(error_body(error.message, error.param, error.kind))
+    yield DONE
+
+
+def _delta_chunk(chunk_id: str, created: int, model: str, index: int, delta: CompletionDelta) -> dict[str, Any]:
+    return completion_chunk(chunk_id, created, model, index, delta.text,
+                            completion_logprobs(delta.token_ids, delta.logprobs), delta.finish_reason,
+                            delta.stop_reason)
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async with contextlib.aclosing(rest):
+        async for item in rest:
+            yield item
+
+
+def _without_generated(output: RequestOutput) -> RequestOutput:
+    """max_tokens 0 with echo: the prompt alone, as if generation had stopped at once for length."""
+    empty = [CompletionOutput(index=c.index, text="", token_ids=(), cumulative_logprob=None,
+                              logprobs=[] if c.logprobs is not None else None, finish_reason="length",
+                              stop_reason=None) for c in output.outputs]
+    return dataclasses.replace(output, outputs=empty)

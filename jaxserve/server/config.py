@@ -1,0 +1,35 @@
+"""`ServerConfig`: what the HTTP layer needs beyond the engine's settings; flags named as in vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jaxserve.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Address, identity, limits and shutdown behaviour of the server; validated on creation."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise: an open port is the operator's decision
+    port: int = 8000  # TCP port; 0 picks a free one (tests)
+    api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1 routes when set
+    served_model_name: str = "jaxserve-builtin"  # the id /v1/models lists and requests must name
+    max_waiting_requests: int = 256  # requests queued beyond the running batch; more are answered 503 at once
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    max_n: int = 16  # most continuations per prompt
+    max_prompts: int = 64  # most prompts in one /v1/completions request
+    drain_timeout_s: float = 30.0  # after SIGTERM, how long in-flight requests may take to finish
+    health_timeout_s: float = 30.0  # /health fails if the engine thread does not answer within this
+    profile_dir: Path | None = None  # where /start_profile writes JAX profiler traces; None disables the routes
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_prompts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "max_waiting_requests" else 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty")

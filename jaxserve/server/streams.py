@@ -1,0 +1,62 @@
+"""Running a request's prompts through the engine together: one merged stream of (prompt index, event)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from jaxserve.engine.async_engine import AsyncEngine, EngineEvent
+from jaxserve.entrypoints.prompts import TokenizedPrompt
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+_END = object()  # a prompt's stream ended
+
+
+async def merged_events(engine: AsyncEngine, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
+                        ) -> AsyncIterator[tuple[int, EngineEvent]]:
+    """Every prompt's events as they come, tagged with the prompt's index; the first failure ends them all.
+
+    Leaving early (the client went away) cancels the per-prompt tasks, which aborts their requests in the engine.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    base = uuid.uuid4().hex
+
+    async def pump(index: int, prompt: TokenizedPrompt) -> None:
+        try:
+            async with contextlib.aclosing(engine.generate(f"{base}-{index}", prompt.token_ids, params,
+                                                           prompt=prompt.text)) as events:
+                async for event in events:
+                    queue.put_nowait((index, event))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, _END))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, event = await queue.get()
+            if event is _END:
+                remaining -= 1
+            elif isinstance(event, Exception):
+                raise event
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def final_outputs(engine: AsyncEngine, prompts: Sequence[TokenizedPrompt],
+                        params: SamplingParams) -> list[RequestOutput]:
+    """Each prompt's finished RequestOutput, in prompt order."""
+    outputs: dict[int, RequestOutput] = {}
+    async with contextlib.aclosing(merged_events(engine, prompts, params)) as events:
+        async for index, event in events:
+            if isinstance(event, RequestOutput):
+                outputs[index] = event
+    return [outputs[i] for i in range(len(prompts))]

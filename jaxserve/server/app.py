@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import time
 from typing import Any
 
 from quart import Quart, current_app, request
@@ -24,10 +25,11 @@ class ServerContext:
     max_model_len: int  # longest prompt + output
     vocab_size: int  # token ids must be below it
     draining: bool = False  # set by SIGTERM: new requests get 503 while in-flight ones finish
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))  # start time, shown by /v1/models
 
 
 def create_app(context: ServerContext) -> Quart:
-    from jaxserve.server import completions  # route modules import this one for server_context
+    from jaxserve.server import completions, ops  # route modules import this one for server_context
 
     app = Quart("jaxserve")
     # Streams may run for minutes: Quart's 60 s response timeout would cut them (it looks like a disconnect).
@@ -37,7 +39,8 @@ def create_app(context: ServerContext) -> Quart:
     app.before_request(_check_api_key)
     app.before_serving(_start_engine)
     app.after_serving(_stop_engine)
-    app.register_blueprint(completions.blueprint)
+    for routes in (completions, ops):
+        app.register_blueprint(routes.blueprint)
     return app
 
 

@@ -29,7 +29,8 @@ class EngineSettings:
     enable_prefix_caching: bool = True  # reuse KV pages of shared prompt prefixes
     enable_chunked_prefill: bool = True  # split long prompts over steps
     async_scheduling: bool = True  # schedule the next step while the device runs this one
-    attention_backend: str = "xla"  # paged attention: xla, pallas (GPU kernel) or pallas-interpret
+    attention_backend: str = "auto"  # paged attention: auto (pallas on a GPU, else xla), pallas or xla
+    pallas_interpret: bool = False  # run the Pallas kernel through Pallas' interpreter: slow, but on any device
     seed: int = 0  # seeds the draws of requests that bring no seed of their own
 
     def llm_kwargs(self) -> dict[str, Any]:

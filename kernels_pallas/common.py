@@ -1,4 +1,5 @@
-"""Pieces both paged-attention kernels share: Triton's limits, input checks, the scores and the online softmax."""
+"""Pieces both paged-attention kernels share: Triton's limits, input checks, default key tiles, the scores and the
+online softmax."""
 
 from __future__ import annotations
 
@@ -11,10 +12,21 @@ from jax.experimental.pallas import triton as plgpu
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Triton's dot needs at least this many rows and columns in each operand.
 MIN_DOT_DIM = 16
+# Widest key tile (slots) a default tuning picks: wider tiles add registers for the f32 scores [rows, slots] but
+# no more overlap of memory traffic, and 128 is where Triton's flash-attention tutorials stop as well.
+MAX_DEFAULT_KEY_SLOTS = 128
+# Bytes of one K (or V) tile a default tuning allows. Each pipeline stage (2 by default) stages a K and a V tile in
+# shared memory, so 32 KiB tiles take 128 KiB: within the 227 KiB an H100 thread block may use, and the A100's 163.
+MAX_DEFAULT_TILE_BYTES = 32 * 1024
 
 
 def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def is_positive_int(value) -> bool:
+    """True for ints >= 1; bools are ints to Python, but never a size."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_tuning(tuning, positive_fields: tuple[str, ...], power_of_two_fields: tuple[str, ...]) -> None:
@@ -22,7 +34,7 @@ def check_tuning(tuning, positive_fields: tuple[str, ...], power_of_two_fields: 
     kind = type(tuning).__name__
     for name in positive_fields:
         value = getattr(tuning, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_positive_int(value):
             raise ValueError(f"{kind}.{name} must be a positive int, got {value!r}")
     for name in power_of_two_fields:
         if not is_power_of_two(getattr(tuning, name)):
@@ -50,9 +62,35 @@ def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_table
                          f"{MIN_DOT_DIM} (Triton's dot); raise the tuning's pages_per_block")
 
 
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def previous_power_of_two(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def check_shape_arguments(function: str, **sizes) -> None:
+    """Raises ValueError naming the first size argument of `function` that is not a positive int."""
+    for name, value in sizes.items():
+        if not is_positive_int(value):
+            raise ValueError(f"{function}: {name} must be a positive int, got {value!r}")
+
+
+def default_pages_per_block(max_pages_per_seq: int, page_size: int, head_dim: int, dtype) -> int:
+    """Pages per key tile for a default tuning: a power of two, as wide as MAX_DEFAULT_KEY_SLOTS and
+    MAX_DEFAULT_TILE_BYTES allow, no wider than the block table (wider tiles would only read the null page), and
+    never below MIN_DOT_DIM slots (Triton's dot), which wins over both caps."""
+    slots = min(MAX_DEFAULT_KEY_SLOTS, MAX_DEFAULT_TILE_BYTES // (head_dim * jnp.dtype(dtype).itemsize))
+    pages = min(previous_power_of_two(max(1, slots // page_size)), next_power_of_two(max_pages_per_seq))
+    return max(pages, next_power_of_two(-(-MIN_DOT_DIM // page_size)))
+
+
 def padded_rows(rows: int) -> int:
     """Query rows per program: padded to a power of two of at least MIN_DOT_DIM (Triton's dot)."""
-    return max(MIN_DOT_DIM, 1 << (rows - 1).bit_length())
+    return max(MIN_DOT_DIM, next_power_of_two(rows))
 
 
 def scaled_scores(query, keys, sm_scale: float, logits_soft_cap: float | None):

@@ -26,8 +26,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.common import (MASK_VALUE, check_pool, check_tuning, online_softmax_step, padded_rows,
-                                   scaled_scores)
+from kernels_pallas.common import (MASK_VALUE, check_pool, check_shape_arguments, check_tuning,
+                                   default_pages_per_block, online_softmax_step, padded_rows, scaled_scores)
+
+# Streaming multiprocessors of an H100 SXM: the GPU the default tunings are sized for.
+H100_CORES = 132
+# Programs per core a default tuning aims for: a second wave lets one program's loads overlap another's math and
+# evens out sequences of unequal length.
+WAVES_PER_CORE = 2
+# Most splits a default tuning takes: the float32 partials [k_splits, S, kv_heads, rows, head_dim] and their XLA
+# combine grow with it, while 16 splits of one sequence with 8 KV heads already give 128 programs, about a wave of
+# an H100 (JAX's own Pallas GPU paged attention defaults to 16 splits too).
+MAX_DEFAULT_K_SPLITS = 16
+# Fewest key tiles per split (for a sequence that fills its block table) a default tuning allows: with one, the
+# page loop has no next iteration for Triton's software pipeline to prefetch.
+MIN_BLOCKS_PER_SPLIT = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTuning:
@@ -49,6 +63,35 @@ class DecodeTuning:
 
     def __post_init__(self):
         check_tuning(self, ("pages_per_block", "k_splits", "num_warps", "num_stages"), ("pages_per_block", "num_warps"))
+
+    @property
+    def kernel_name(self) -> str:
+        """The pallas_call's name, which profiles and compiled modules show: it says which tuning ran."""
+        return f"paged_decode_{self.pages_per_block}ppb_{self.k_splits}splits"
+
+
+def default_decode_tuning(num_seqs: int, kv_heads: int, max_pages_per_seq: int, page_size: int, head_dim: int,
+                          dtype, num_cores: int = H100_CORES) -> DecodeTuning:
+    """The decode tuning for a call's static shapes: the pool's page size, head_dim and dtype, S sequences, and a
+    block table of max_pages_per_seq columns. Deterministic, and always valid for those shapes.
+
+    The key tile is `default_pages_per_block`'s. The grid has kv_heads * S * k_splits programs; split-K exists for
+    few long sequences, which alone would leave most cores idle, so the splits grow until the grid fills
+    WAVES_PER_CORE waves of `num_cores`, within MAX_DEFAULT_K_SPLITS and MIN_BLOCKS_PER_SPLIT key tiles per split.
+    A large batch already fills the GPU and gets one split (no combine work). Warps and stages keep their defaults:
+    they are a matter of measurement on the GPU, not of shape.
+    """
+    check_shape_arguments("default_decode_tuning", num_seqs=num_seqs, kv_heads=kv_heads,
+                          max_pages_per_seq=max_pages_per_seq, page_size=page_size, head_dim=head_dim,
+                          num_cores=num_cores)
+    pages_per_block = default_pages_per_block(max_pages_per_seq, page_size, head_dim, dtype)
+    blocks = -(-max_pages_per_seq // pages_per_block)
+    wanted = -(-WAVES_PER_CORE * num_cores // (kv_heads * num_seqs))
+    splits = max(1, min(wanted, MAX_DEFAULT_K_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
+    # The fewest splits of ceil(blocks / splits) tiles each: the kernel rounds every split up to whole tiles, so
+    # a count that does not divide the tiles could otherwise leave its last splits with no page at all.
+    splits = -(-blocks // -(-blocks // splits))
+    return DecodeTuning(pages_per_block=pages_per_block, k_splits=splits)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,7 +219,7 @@ def _decode_partials(
         # Explicit Triton parameters: without them a GPU pallas_call may pick another GPU backend.
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name=f"paged_decode_{tuning.pages_per_block}ppb_{tuning.k_splits}splits",
+        name=tuning.kernel_name,
     )(grouped_q, k_pages, v_pages, split_tables, lengths)
 
 

@@ -33,9 +33,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.common import MASK_VALUE, check_pool, check_tuning, online_softmax_step, padded_rows, scaled_scores
+from kernels_pallas.common import (MASK_VALUE, MIN_DOT_DIM, check_pool, check_shape_arguments, check_tuning,
+                                   default_pages_per_block, next_power_of_two, online_softmax_step, padded_rows,
+                                   previous_power_of_two, scaled_scores)
 
 _NO_POSITION = -1  # position of a query row that holds no token: it sees no slot
+# Most query rows (block_q * group) per program a default tuning takes: the float32 accumulator [rows, head_dim]
+# and scores [rows, slots] live in registers, and at 64 rows, head_dim 128 and 128 slots that is already 128 f32
+# registers per thread of 4 warps (of 255).
+MAX_DEFAULT_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +64,33 @@ class PrefillTuning:
 
     def __post_init__(self):
         check_tuning(self, ("block_q", "pages_per_block", "num_warps", "num_stages"), ("pages_per_block", "num_warps"))
+
+    @property
+    def kernel_name(self) -> str:
+        """The pallas_call's name, which profiles and compiled modules show: it says which tuning ran."""
+        return f"paged_prefill_{self.block_q}q_{self.pages_per_block}ppb"
+
+
+def default_prefill_tuning(num_tokens: int, num_seqs: int, group: int, max_pages_per_seq: int, page_size: int,
+                           head_dim: int, dtype) -> PrefillTuning:
+    """The prefill tuning for a call's static shapes: T query tokens over S sequence rows with `group` query heads
+    per KV head, the pool's page size, head_dim and dtype, and a block table of max_pages_per_seq columns.
+    Deterministic, and always valid for those shapes.
+
+    The key tile is `default_pages_per_block`'s. Every work item reads its sequence's pages up to its last query,
+    so a larger query block reads a prefill chunk's context fewer times; but a block larger than a sequence's run
+    of tokens only adds empty rows. T / S, the mean tokens per row of a full batch of this shape, stands for the
+    run length, so block_q is that rounded down to a power of two, between MIN_DOT_DIM // group (rows Triton's dot
+    pads to anyway, so free) and MAX_DEFAULT_ROWS // group (the register budget). Warps and stages keep their
+    defaults: they are a matter of measurement on the GPU, not of shape.
+    """
+    check_shape_arguments("default_prefill_tuning", num_tokens=num_tokens, num_seqs=num_seqs, group=group,
+                          max_pages_per_seq=max_pages_per_seq, page_size=page_size, head_dim=head_dim)
+    smallest = max(1, MIN_DOT_DIM // group)
+    largest = max(1, MAX_DEFAULT_ROWS // group)
+    block_q = min(max(previous_power_of_two(max(1, num_tokens // num_seqs)), smallest), largest)
+    return PrefillTuning(block_q=block_q,
+                         pages_per_block=default_pages_per_block(max_pages_per_seq, page_size, head_dim, dtype))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,7 +221,7 @@ def _item_tables(block_tables, seq_lens, work: WorkList, pages_per_block: int):
     """Block tables i32[W, table_pages] (padded with the null page to a power of two, at least one block) and
     lengths i32[W] (0 for empty items) of each item's sequence."""
     max_pages = block_tables.shape[1]
-    table_pages = max(pages_per_block, 1 << (max_pages - 1).bit_length())
+    table_pages = max(pages_per_block, next_power_of_two(max_pages))
     tables = jnp.pad(block_tables, ((0, 0), (0, table_pages - max_pages)))[work.seq_row]  # i32[W, table_pages]
     lengths = jnp.where(work.num_tokens > 0, seq_lens[work.seq_row], 0)  # i32[W]
     return tables, lengths
@@ -230,7 +263,7 @@ def _prefill_items(
         # Explicit Triton parameters: without them a GPU pallas_call may pick another GPU backend.
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name=f"paged_prefill_{tuning.block_q}q_{tuning.pages_per_block}ppb",
+        name=tuning.kernel_name,
     )(item_q, row_positions, k_pages, v_pages, tables, lengths)
 
 

@@ -37,7 +37,7 @@ def reference_outputs():
     {"enable_prefix_caching": False},
     {"async_scheduling": False},
     {"async_scheduling": False, "enable_prefix_caching": False, "enable_chunked_prefill": False},
-    {"attention_backend": "pallas-interpret"},  # the Pallas kernel, run by Pallas' interpreter
+    {"attention_backend": "pallas", "pallas_interpret": True},  # the Pallas kernel, run by Pallas' interpreter
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "all-on")
 def test_engine_greedy_tokens_equal_the_reference(reference_outputs, switches):
     llm = LLM(**ENGINE, **switches)

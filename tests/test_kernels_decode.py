@@ -4,6 +4,7 @@ Pools are tiny on purpose: interpret mode copies each KV head's whole pool at ev
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedAttentionMetadata, paged_attention_reference
-from kernels_pallas import DecodeTuning, paged_decode_attention, paged_decode_reference
+from kernels_pallas import DecodeTuning, default_decode_tuning, paged_decode_attention, paged_decode_reference
+from kernels_pallas.common import MAX_DEFAULT_KEY_SLOTS, MAX_DEFAULT_TILE_BYTES, check_pool
+from kernels_pallas.paged_decode import MAX_DEFAULT_K_SPLITS, _split_block_tables
 from tests.cuda_lowering import export_for_h100, triton_calls
 
 PAGE_SIZE = 8
@@ -112,12 +115,49 @@ def test_matches_serving_reference_on_decode_metadata():
 @pytest.mark.parametrize("field, value, message", [
     ("pages_per_block", 3, "power of two"),
     ("num_warps", 6, "power of two"),
+    ("pages_per_block", 0, "positive int"),
     ("k_splits", 0, "positive int"),
+    ("k_splits", True, "positive int"),
+    ("num_warps", "4", "positive int"),
     ("num_stages", 1.5, "positive int"),
 ])
 def test_tuning_rejects_invalid_values(field, value, message):
-    with pytest.raises(ValueError, match=f"{field}.*{message}"):
+    with pytest.raises(ValueError, match=f"DecodeTuning.{field}.*{message}"):
         DecodeTuning(**{field: value})
+
+
+def test_default_tuning_is_valid_over_serving_shapes():
+    """Every shape gets a tuning the kernel accepts, with a key tile within the budgets and no split left empty."""
+    grid = itertools.product((1, 2, 3, 17, 64, 256), (1, 8), (1, 2, 3, 100, 512, 2048), (8, 16, 32, 64), (64, 128),
+                             (jnp.float32, jnp.bfloat16))
+    for seqs, kv_heads, max_pages, page_size, head_dim, dtype in grid:
+        tuning = default_decode_tuning(seqs, kv_heads, max_pages, page_size, head_dim, dtype)
+        assert tuning == default_decode_tuning(seqs, kv_heads, max_pages, page_size, head_dim, dtype)
+        q, k_pages, v_pages, block_tables, _ = _avals(dtype, seqs=seqs, head_dim=head_dim, page_size=page_size,
+                                                      max_pages=max_pages)
+        check_pool(q, k_pages, v_pages, block_tables, tuning.pages_per_block)
+        slots = tuning.pages_per_block * page_size
+        assert slots <= MAX_DEFAULT_KEY_SLOTS
+        assert slots * head_dim * jnp.dtype(dtype).itemsize <= MAX_DEFAULT_TILE_BYTES
+        assert 1 <= tuning.k_splits <= MAX_DEFAULT_K_SPLITS
+        pages_per_split = jax.eval_shape(functools.partial(_split_block_tables, tuning=tuning), block_tables).shape[2]
+        assert (tuning.k_splits - 1) * pages_per_split < max_pages, "a split past every table's end"
+
+
+def test_default_tuning_splits_only_few_long_sequences():
+    long_context = dict(kv_heads=8, max_pages_per_seq=512, page_size=16, head_dim=128, dtype=jnp.bfloat16)
+    assert default_decode_tuning(num_seqs=1, **long_context).k_splits > 1
+    assert default_decode_tuning(num_seqs=256, **long_context).k_splits == 1
+    # A table of one key tile has nothing to split, however few the sequences.
+    assert default_decode_tuning(1, 8, max_pages_per_seq=4, page_size=16, head_dim=128, dtype=jnp.bfloat16
+                                 ).k_splits == 1
+
+
+@pytest.mark.parametrize("argument", ["num_seqs", "max_pages_per_seq", "page_size", "num_cores"])
+def test_default_tuning_rejects_sizes_that_are_not_positive(argument):
+    sizes = dict(num_seqs=4, kv_heads=8, max_pages_per_seq=64, page_size=16, head_dim=128, num_cores=132)
+    with pytest.raises(ValueError, match=f"default_decode_tuning: {argument} must be a positive int, got 0"):
+        default_decode_tuning(**{**sizes, argument: 0}, dtype=jnp.bfloat16)
 
 
 def test_rejects_key_tile_too_small_for_triton():

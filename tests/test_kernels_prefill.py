@@ -5,6 +5,7 @@ Pools are tiny on purpose: interpret mode copies each KV head's whole pool at ev
 """
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -15,7 +16,9 @@ import pytest
 from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedAttentionMetadata, paged_attention_reference
 from jaxserve.runner.paged_inputs import build_metadata
 from kernels_pallas import paged_decode_reference
-from kernels_pallas.paged_prefill import PrefillTuning, build_work_list, paged_prefill_attention
+from kernels_pallas.common import MAX_DEFAULT_KEY_SLOTS, MAX_DEFAULT_TILE_BYTES, MIN_DOT_DIM, check_pool
+from kernels_pallas.paged_prefill import (MAX_DEFAULT_ROWS, PrefillTuning, build_work_list, default_prefill_tuning,
+                                          paged_prefill_attention)
 from tests.cuda_lowering import export_for_h100, triton_calls
 
 
@@ -175,13 +178,53 @@ def test_work_list_cuts_runs_into_query_blocks():
 
 @pytest.mark.parametrize("field, value, message", [
     ("block_q", 0, "positive int"),
+    ("block_q", False, "positive int"),
     ("pages_per_block", 3, "power of two"),
+    ("pages_per_block", -2, "positive int"),
     ("num_warps", 6, "power of two"),
     ("num_stages", 1.5, "positive int"),
 ])
 def test_tuning_rejects_invalid_values(field, value, message):
-    with pytest.raises(ValueError, match=f"{field}.*{message}"):
+    with pytest.raises(ValueError, match=f"PrefillTuning.{field}.*{message}"):
         PrefillTuning(**{field: value})
+
+
+def test_default_tuning_is_valid_over_serving_shapes():
+    """Every shape gets a tuning the kernel accepts, with query rows and key tile within the budgets."""
+    grid = itertools.product((1, 16, 100, 2048), (1, 3, 256), (1, 4, 8), (1, 3, 512, 2048), (8, 16, 32, 64),
+                             (64, 128), (jnp.float32, jnp.bfloat16))
+    for tokens, seqs, group, max_pages, page_size, head_dim, dtype in grid:
+        tuning = default_prefill_tuning(tokens, seqs, group, max_pages, page_size, head_dim, dtype)
+        assert tuning == default_prefill_tuning(tokens, seqs, group, max_pages, page_size, head_dim, dtype)
+        avals = _avals(dtype, tokens=tokens, seqs=seqs, group=group, head_dim=head_dim, page_size=page_size,
+                       max_pages=max_pages)
+        check_pool(*avals[:4], tuning.pages_per_block)
+        slots = tuning.pages_per_block * page_size
+        assert slots <= MAX_DEFAULT_KEY_SLOTS
+        assert slots * head_dim * jnp.dtype(dtype).itemsize <= MAX_DEFAULT_TILE_BYTES
+        assert MIN_DOT_DIM <= tuning.block_q * group or tuning.block_q == 1
+        assert tuning.block_q * group <= MAX_DEFAULT_ROWS
+
+
+def test_default_query_block_follows_tokens_per_sequence():
+    shapes = dict(max_pages_per_seq=512, page_size=16, head_dim=128, dtype=jnp.bfloat16)
+    # One long prompt: the largest block the registers allow, so its context is read the fewest times.
+    assert default_prefill_tuning(2048, 1, group=4, **shapes).block_q * 4 == MAX_DEFAULT_ROWS
+    # One token per row (decode): the rows Triton's dot pads to anyway.
+    assert default_prefill_tuning(256, 256, group=4, **shapes).block_q * 4 == MIN_DOT_DIM
+    assert default_prefill_tuning(256, 256, group=32, **shapes).block_q == 1
+
+
+def test_default_tuning_rejects_sizes_that_are_not_positive():
+    with pytest.raises(ValueError, match="default_prefill_tuning: group must be a positive int, got 0"):
+        default_prefill_tuning(64, 4, 0, 32, 16, 128, jnp.bfloat16)
+
+
+def test_default_tuning_matches_reference():
+    step = ragged_step(13, jnp.float32, 4, 64)
+    tuning = default_prefill_tuning(NUM_TOKENS, len(RAGGED_SEQUENCES) + 1, 4, MAX_PAGES, PAGE_SIZE, 64, jnp.float32)
+    out = paged_prefill_attention(*step.kernel_inputs(), sm_scale=0.125, tuning=tuning, interpret=True)
+    assert_matches(out, reference(step, 0.125), jnp.float32)
 
 
 def test_rejects_key_tile_too_small_for_triton():

@@ -14,7 +14,8 @@ from flax import nnx
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import DenseKVCache, dense_causal_attention
 from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedKVCache, paged_attention_reference
+from jaxserve.errors import ConfigError
+from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedKVCache, paged_attention_reference, resolve_attention_backend
 from jaxserve.runner.paged_inputs import PagedInputs, build_metadata
 
 
@@ -224,6 +225,31 @@ def test_cache_refuses_unknown_backends_and_missing_metadata():
     x = jnp.zeros((1, 2, 1, 8))
     with pytest.raises(ValueError, match="no metadata"):
         pool.update_and_attend(0, x, x, x, jnp.zeros((1, 2), jnp.int32), 1.0)
+
+
+@pytest.mark.parametrize("name, interpret, platform, resolved", [
+    ("auto", False, "gpu", "pallas"),
+    ("auto", False, "cpu", "xla"),
+    ("auto", False, "tpu", "xla"),
+    ("auto", True, "cpu", "pallas-interpret"),
+    ("auto", True, "gpu", "pallas-interpret"),
+    ("pallas", False, "gpu", "pallas"),
+    ("pallas", True, "cpu", "pallas-interpret"),
+    ("xla", False, "gpu", "xla"),
+])
+def test_attention_backend_choice_resolves_per_platform(name, interpret, platform, resolved):
+    assert resolve_attention_backend(name, interpret, platform) == resolved
+
+
+@pytest.mark.parametrize("name, interpret, platform, message", [
+    ("triton", False, "gpu", r"unknown attention backend 'triton' \(choose from auto, pallas, xla\)"),
+    ("pallas-interpret", False, "cpu", "unknown attention backend"),
+    ("xla", True, "cpu", "does not apply to the xla attention backend"),
+    ("pallas", False, "cpu", "--pallas-interpret"),
+])
+def test_attention_backend_choice_rejects_what_cannot_run(name, interpret, platform, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_attention_backend(name, interpret, platform)
 
 
 # The model end to end: three sequences, their prompts prefilled in chunks, then decoded, through one pool.

@@ -5,9 +5,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
+
 from jaxserve.errors import ConfigError
+from jaxserve.model.paged_kv_cache import ATTENTION_BACKENDS, resolve_attention_backend
 
 DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
+
+
+def _auto_attention_backend() -> str:
+    """What auto resolves to on this process's JAX platform: the Pallas kernel on a GPU, XLA elsewhere."""
+    return resolve_attention_backend("auto", interpret=False, platform=jax.default_backend())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +34,9 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N+1 while the device runs step N
     static_batching: bool = False  # benchmark baseline: no new request joins until the running batch has finished
     max_tokens_policy: str = "cap"  # prompt + max_tokens beyond max_model_len: "cap" max_tokens, or "reject"
-    attention_backend: str = "xla"  # paged attention implementation
+    # Which ATTENTION_BACKENDS entry attends (xla, pallas, pallas-interpret): resolved already, since the engine
+    # does not choose; LLM resolves the user's auto|pallas|xla and interpret switch with resolve_attention_backend.
+    attention_backend: str = dataclasses.field(default_factory=_auto_attention_backend)
     raise_on_compile: bool = True  # a compile after warm-up raises; False logs it
     compilation_cache_dir: Path | None = DEFAULT_COMPILATION_CACHE  # JAX's persistent cache; None turns it off
     seed: int = 0  # seeds the draws of requests that bring no seed
@@ -34,6 +44,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_tokens_policy not in ("cap", "reject"):
             raise ConfigError(f"max_tokens_policy must be 'cap' or 'reject', got {self.max_tokens_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be a resolved backend ({', '.join(ATTENTION_BACKENDS)}), got "
+                              f"{self.attention_backend!r}; resolve_attention_backend maps auto|pallas|xla to one")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_kv_pages"):
             value = getattr(self, name)
             if name == "num_kv_pages" and value is None:

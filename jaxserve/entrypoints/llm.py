@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 from tqdm.auto import tqdm
 
 from jaxserve.checkpoint import LoadedModel, load_model
@@ -17,6 +18,7 @@ from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.prompts import (TokenizedPrompt, check_prompt, normalize_prompts, params_per_prompt,
                                           tokenize_prompt)
 from jaxserve.errors import ConfigError, InvalidRequestError
+from jaxserve.model.paged_kv_cache import resolve_attention_backend
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.dense_decoder import DecodeRequest, DenseDecoder
 from jaxserve.sampling_params import SamplingParams
@@ -37,8 +39,10 @@ class LLM:
                  block_size: int = 16, num_kv_pages: int | None = None, kv_cache_memory_gb: float | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, async_scheduling: bool = True,
-                 max_tokens_policy: str = "cap", attention_backend: str = "xla", seed: int = 0,
-                 reference_decoder: bool = False, use_tqdm_on_load: bool = True):
+                 max_tokens_policy: str = "cap", attention_backend: str = "auto", pallas_interpret: bool = False,
+                 seed: int = 0, reference_decoder: bool = False, use_tqdm_on_load: bool = True):
+        # Before loading: a mistyped backend must not wait for the weights.
+        resolved_backend = resolve_attention_backend(attention_backend, pallas_interpret, jax.default_backend())
         self.model: LoadedModel = load_model(Path(model) if model is not None else None, dtype=dtype,
                                              progress=use_tqdm_on_load)
         self.tokenizer: Tokenizer = load_tokenizer(Path(tokenizer) if tokenizer is not None else self.model.model_dir)
@@ -59,7 +63,7 @@ class LLM:
             kv_cache_memory_gb=kv_cache_memory_gb, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=async_scheduling, max_tokens_policy=max_tokens_policy,
-            attention_backend=attention_backend, seed=seed,
+            attention_backend=resolved_backend, seed=seed,
         ), progress=use_tqdm_on_load)
 
     def get_tokenizer(self) -> Tokenizer:

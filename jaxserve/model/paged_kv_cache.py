@@ -11,7 +11,8 @@ every slot a query may not see, and masks V with `where` (not a multiply) so sta
 output.
 
 Attention sits behind `PagedAttentionFn`; the cache's static `attention_backend` names which implementation runs,
-so swapping in a kernel is a change of one string that jit sees as part of the cache's tree structure.
+so swapping in a kernel is a change of one string that jit sees as part of the cache's tree structure. Users pick
+auto, pallas or xla plus an interpret switch; `resolve_attention_backend` turns that into one of those names.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import paged_prefill_attention
+from jaxserve.errors import ConfigError
+from kernels_pallas import default_prefill_tuning, paged_prefill_attention
 
 NULL_PAGE = 0  # the all-zero page: padded block-table entries point at it; no sequence owns it
 PADDING_SLOT = -1  # slot_mapping value of padding tokens; mapped past the pool's end so their writes are dropped
 XLA_BACKEND = "xla"  # the plain-jnp reference attention below
+PALLAS_BACKEND = "pallas"  # the Pallas kernel, compiled by Triton for NVIDIA GPUs
+PALLAS_INTERPRET_BACKEND = "pallas-interpret"  # the same kernel run by Pallas' interpreter, on any device
+# What users choose from (--attention-backend); auto picks the kernel where it compiles (a GPU), XLA elsewhere.
+ATTENTION_BACKEND_CHOICES = ("auto", PALLAS_BACKEND, XLA_BACKEND)
 # Query-key pairs per block of the reference's page loop: bounds its gathered K/V to this many slots per KV head.
 QUERY_KEY_PAIRS_PER_BLOCK = 1 << 15
 
@@ -168,19 +174,52 @@ def _pallas_attention(interpret: bool) -> PagedAttentionFn:
     """The Pallas mixed prefill/decode kernel behind the cache's attention interface."""
 
     def attend(q, k_pages, v_pages, metadata: PagedAttentionMetadata, positions, scale):
+        tokens, heads, head_dim = q.shape
+        kv_heads, _, page_size, _ = k_pages.shape
+        num_seqs, max_pages = metadata.block_tables.shape
+        # Shapes are static under jit, so every bucket's program is traced with the tuning for its own shape.
+        tuning = default_prefill_tuning(num_tokens=tokens, num_seqs=num_seqs, group=heads // kv_heads,
+                                        max_pages_per_seq=max_pages, page_size=page_size, head_dim=head_dim,
+                                        dtype=k_pages.dtype)
         return paged_prefill_attention(q, k_pages, v_pages, metadata.block_tables, metadata.seq_lens,
-                                       metadata.token_seq, positions, sm_scale=scale, interpret=interpret)
+                                       metadata.token_seq, positions, sm_scale=scale, tuning=tuning,
+                                       interpret=interpret)
 
     return attend
 
 
 ATTENTION_BACKENDS: types.MappingProxyType[str, PagedAttentionFn] = types.MappingProxyType({
     XLA_BACKEND: paged_attention_reference,
-    # The GPU kernel; "pallas-interpret" runs the same kernel through Pallas' interpreter, so the whole engine can
-    # be tested through it on a CPU.
-    "pallas": _pallas_attention(interpret=False),
-    "pallas-interpret": _pallas_attention(interpret=True),
+    PALLAS_BACKEND: _pallas_attention(interpret=False),
+    # The interpreted kernel lets the whole engine be tested through the kernel on a CPU.
+    PALLAS_INTERPRET_BACKEND: _pallas_attention(interpret=True),
 })
+
+
+def resolve_attention_backend(name: str, interpret: bool, platform: str) -> str:
+    """The ATTENTION_BACKENDS entry for a user's choice: `name` from ATTENTION_BACKEND_CHOICES, `interpret` to run
+    the Pallas kernel through Pallas' interpreter, on JAX's default backend `platform` ("gpu", "cpu", "tpu").
+
+    auto means the kernel where Triton compiles it (a GPU) and XLA elsewhere; with interpret it means the
+    interpreted kernel anywhere. Raises ConfigError for an unknown name, for interpret with xla (there is no
+    kernel to interpret), and for the compiled kernel off a GPU (it would fail only later, at compile time).
+    """
+    if name not in ATTENTION_BACKEND_CHOICES:
+        raise ConfigError(f"unknown attention backend {name!r} (choose from {', '.join(ATTENTION_BACKEND_CHOICES)})")
+    if name == XLA_BACKEND:
+        if interpret:
+            raise ConfigError("pallas_interpret runs the Pallas kernel through Pallas' interpreter, so it does not "
+                              "apply to the xla attention backend; choose auto or pallas")
+        return XLA_BACKEND
+    if interpret:
+        return PALLAS_INTERPRET_BACKEND
+    if platform == "gpu":
+        return PALLAS_BACKEND
+    if name == PALLAS_BACKEND:
+        raise ConfigError(f"the pallas attention backend compiles through Triton for NVIDIA GPUs, but JAX runs on "
+                          f"{platform!r}; add pallas_interpret (--pallas-interpret) to run the kernel through "
+                          f"Pallas' interpreter, or choose xla")
+    return XLA_BACKEND
 
 
 @jax.tree_util.register_dataclass

@@ -6,9 +6,9 @@ TEST_EXTRAS := test,parity$(if $(EXTRAS),$(comma)$(EXTRAS))
 
 .PHONY: run test
 
-run:  ## runs jaxserve's main job on the built-in tiny model (or pass ARGS="--model DIR ...")
+run:  ## serves the OpenAI API on 127.0.0.1:8000 with the built-in tiny model (or pass ARGS="--model DIR ...")
 	./scripts/bootstrap.sh "$(EXTRAS)"
-	.venv/bin/jaxserve generate --config configs/tiny-cpu.yaml $(ARGS)
+	exec .venv/bin/jaxserve serve --config configs/tiny-cpu.yaml $(ARGS)
 
 test:  ## runs the whole test suite, parity oracles included (CI runs exactly this)
 	./scripts/bootstrap.sh "$(TEST_EXTRAS)"

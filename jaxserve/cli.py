@@ -99,6 +99,8 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="requests queued beyond the running batch; more are answered 503 at once")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                        help="larger request bodies are refused with 413 (default: 8 MiB)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM")
     parser.add_argument("--profile-dir", type=Path, help="enables /start_profile and /stop_profile, traces go here")
@@ -122,7 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
         served_model_name=args.served_model_name or _model_name(settings.model),
-        max_waiting_requests=args.max_waiting_requests, drain_timeout_s=args.drain_timeout,
+        max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
         profile_dir=args.profile_dir)
     return serve(settings, config)
 

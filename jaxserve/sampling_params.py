@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 
 from jaxserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top log-probabilities per token
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +19,7 @@ class SamplingParams:
     n: int = 1  # continuations per prompt; they share the prompt's KV pages
     max_tokens: int = 16  # most tokens to generate
     min_tokens: int = 0  # EOS and stop token ids are ignored until this many tokens exist
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
@@ -35,30 +38,33 @@ class SamplingParams:
 
     def __post_init__(self):
         # Accept the list forms users write; store tuples so the object stays hashable and immutable.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
-        object.__setattr__(self, "logit_bias", tuple((_as_token_id(t), b) for t, b in bias))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        bias = self.logit_bias
+        bias = bias.items() if isinstance(bias, dict) else _as_tuple(bias, "logit_bias")
+        object.__setattr__(self, "logit_bias", tuple(_as_bias_entry(entry) for entry in bias))
         self._validate()
 
     def _validate(self) -> None:
-        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be >= 1, got {self.n}")
+        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be >= 1 (an integer), got {self.n!r}")
         _require(_is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
-                 f"min_tokens must be >= 0, got {self.min_tokens}")
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+                 f"min_tokens must be >= 0 (an integer), got {self.min_tokens!r}")
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                 f"max_tokens must be >= 1 (an integer), got {self.max_tokens!r}")
         _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-                 f"temperature must be >= 0, got {self.temperature}")
-        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+                 f"temperature must be >= 0 (a number), got {self.temperature!r}")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+                 f"top_p must be in (0, 1] (a number), got {self.top_p!r}")
         _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
-                 f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
-        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+                 f"top_k must be -1 or 0 (disabled) or >= 1 (an integer), got {self.top_k!r}")
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+                 f"min_p must be in [0, 1] (a number), got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _require(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
+            _require(_is_number(value) and -2 <= value <= 2, name,
+                     f"{name} must be in [-2, 2] (a number), got {value!r}")
         _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-                 f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+                 f"repetition_penalty must be > 0 (a number), got {self.repetition_penalty!r}")
         _require(all(t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
                  "logit_bias maps token ids >= 0 to biases in [-100, 100]")
         _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
@@ -68,12 +74,18 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                     f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+                     f"{name} must be between 0 and {MAX_LOGPROBS} (an integer), got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, f"{name} must be a boolean, got {value!r}")
 
     @property
     def greedy(self) -> bool:
-        """Whether decoding is deterministic argmax."""
-        return self.temperature == 0 or self.top_k == 1
+        """Whether decoding is deterministic argmax.
+
+        Temperatures below GREEDY_TEMPERATURE count as 0 (as in vLLM): dividing logits by them overflows float32.
+        """
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -81,12 +93,27 @@ def _require(ok: bool, param: str, message: str) -> None:
         raise InvalidRequestError(message, param=param)
 
 
-def _as_token_id(token) -> int:
-    """logit_bias keys arrive as ints offline and as strings from JSON."""
-    try:
-        return int(token)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias") from None
+def _as_tuple(values, name: str) -> tuple:
+    """The list forms of list fields; null means empty."""
+    if values is None:
+        return ()
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise InvalidRequestError(f"{name} must be a list, got {values!r}", param=name)
+    return tuple(values)
+
+
+def _as_bias_entry(entry) -> tuple[int, float]:
+    """One (token id, bias) pair; keys arrive as ints offline and as strings from JSON."""
+    if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+        raise InvalidRequestError(f"logit_bias entries must be (token id, bias) pairs, got {entry!r}",
+                                  param="logit_bias")
+    token, bias = entry
+    if isinstance(token, str):
+        with contextlib.suppress(ValueError):
+            token = int(token)
+    if not _is_int(token):
+        raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+    return token, bias
 
 
 def _is_int(value) -> bool:
@@ -94,4 +121,5 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # JSON lets NaN and Infinity through, and neither means anything as a sampling setting.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -127,3 +127,23 @@ def test_engine_keeps_working_after_a_rejected_request(tiny_llm):
         tiny_llm.generate({"prompt_token_ids": [10**6]}, GREEDY, use_tqdm=False)
     after = _only(tiny_llm.generate("steady", GREEDY, use_tqdm=False)).token_ids
     assert before == after and np.all(np.array(before) < tiny_llm.model.config.vocab_size)
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(stop_token_ids=[2**40]), "stop_token_ids names a token outside the vocabulary"),
+    (SamplingParams(top_k=2**40), "top_k must be at most the vocabulary size"),
+    (SamplingParams(logit_bias={10**6: 1.0}), "logit_bias names a token outside the vocabulary"),
+])
+def test_ids_the_sampler_cannot_hold_are_refused_and_the_engine_goes_on(tiny_llm, params, message):
+    """Such values would overflow the step's int32 sampling arrays and fail the whole batch."""
+    before = _only(tiny_llm.generate("steady", GREEDY, use_tqdm=False)).token_ids
+    with pytest.raises(InvalidRequestError, match=message):
+        tiny_llm.generate("steady", params, use_tqdm=False)
+    assert _only(tiny_llm.generate("steady", GREEDY, use_tqdm=False)).token_ids == before
+
+
+def test_a_vanishing_temperature_decodes_greedily(tiny_llm):
+    """Logits divided by 1e-300 overflow float32; like vLLM, temperatures below 1e-5 mean greedy."""
+    greedy = _only(tiny_llm.generate("steady", GREEDY, use_tqdm=False)).token_ids
+    tiny = SamplingParams(max_tokens=12, temperature=1e-300, ignore_eos=True, seed=3)
+    assert _only(tiny_llm.generate("steady", tiny, use_tqdm=False)).token_ids == greedy

@@ -61,6 +61,8 @@ class AsyncEngine:
         self.stats: SchedulerStats = engine.stats()  # refreshed by the engine thread after every step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}  # live request id -> its events; touched on the loop only
+        self._idle = asyncio.Event()  # set while no request is live; what a draining server waits for
+        self._idle.set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None  # why the engine thread ended, when it ended unasked
@@ -83,6 +85,10 @@ class AsyncEngine:
         """Requests submitted whose final output has not been delivered yet."""
         return len(self._streams)
 
+    async def wait_idle(self) -> None:
+        """Returns once no request is live (at once when none is)."""
+        await self._idle.wait()
+
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[EngineEvent]:
         """Yields the request's deltas, then its RequestOutput; leaving early (close, cancel) aborts the request.
@@ -96,6 +102,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already live")
         events: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = events
+        self._idle.clear()
         self._commands.put(_Add(request_id, tuple(prompt_token_ids), params, prompt))
         try:
             while True:
@@ -106,7 +113,7 @@ class AsyncEngine:
                 if isinstance(event, RequestOutput):
                     return
         finally:
-            if self._streams.pop(request_id, None) is not None:
+            if self._forget_stream(request_id):
                 self._commands.put(_Abort(request_id))
 
     async def check_health(self, timeout: float) -> SchedulerStats:
@@ -185,7 +192,15 @@ class AsyncEngine:
                 continue  # the caller left; its abort is on the way to the engine thread
             stream.put_nowait(event)
             if isinstance(event, (RequestOutput, BaseException)):
-                del self._streams[request_id]
+                self._forget_stream(request_id)
+
+    def _forget_stream(self, request_id: str) -> bool:
+        """Drops a live request's stream; False if it was not live (finished, or forgotten already)."""
+        if self._streams.pop(request_id, None) is None:
+            return False
+        if not self._streams:
+            self._idle.set()
+        return True
 
     def _fail_streams(self, error: BaseException) -> None:
         for request_id in list(self._streams):

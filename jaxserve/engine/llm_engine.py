@@ -134,6 +134,7 @@ class LLMEngine:
         for request_id in aborted:
             self.abort_request(request_id)
         self._in_flight = None
+        self.scheduler.forget_steps_in_flight()
         self._deltas.clear()
         self.runner.replace_lost_pool()
         return aborted
@@ -261,6 +262,12 @@ class LLMEngine:
         if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
             raise InvalidRequestError(f"logit_bias names a token outside the vocabulary [0, {self.vocab_size})",
                                       param="logit_bias")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids names a token outside the vocabulary [0, {self.vocab_size})",
+                                      param="stop_token_ids")
+        if params.top_k > self.vocab_size:
+            raise InvalidRequestError(f"top_k must be at most the vocabulary size ({self.vocab_size}), got "
+                                      f"{params.top_k}", param="top_k")
 
 
 def sampling_row(request: Request, eos_token_ids: tuple[int, ...], seed: int) -> SamplingRow:

@@ -131,6 +131,10 @@ class Scheduler:
             self._register_full_pages(self._requests[scheduled.request_id])
         return self._emit(plan)
 
+    def forget_steps_in_flight(self) -> None:
+        """After a failed step (its requests aborted): the outputs of the steps scheduled so far never come back."""
+        self._steps_in_flight.clear()
+
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
         """Fills in the tokens sampled in `output`'s step: `sampled` maps each sampling sequence to its token id.
 

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, chat_completion_body, completion_body,
-                                              error_body, sampling_params_from_body)
-from jaxserve.entrypoints.prompts import TokenizedPrompt, check_prompt, tokenize_prompt
+from jaxserve.entrypoints.openai_body import (chat_completion_body, completion_body, default_max_tokens, error_body,
+                                              sampling_params_from_body)
+from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, check_prompt, tokenize_prompt
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import flatten_text_content
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -70,9 +69,10 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
         if not isinstance(body, dict):
             raise InvalidRequestError("body must be a JSON object", param="body")
         chat = url == CHAT_URL
-        prompt = _chat_prompt(llm, body) if chat else _completion_prompt(llm, body)
+        prompt = chat_prompt(llm.tokenizer, body.get("messages")) if chat else _completion_prompt(llm, body)
         check_prompt(prompt, llm.model.config.vocab_size, llm.max_model_len)
-        params = sampling_params_from_body(body, chat, default_max_tokens=_default_max_tokens(llm, prompt, chat))
+        params = sampling_params_from_body(body, chat, default_max_tokens=default_max_tokens(
+            chat, len(prompt.token_ids), llm.max_model_len))
         return BatchItem(custom_id, chat, prompt, params, None)
     except json.JSONDecodeError as e:
         return BatchItem(custom_id, False, None, None, error_body(f"line {number} is not valid JSON: {e.msg}"))
@@ -88,19 +88,6 @@ def _completion_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
         raise InvalidRequestError("prompt must be a string or a list of token ids (one prompt per line)",
                                   param="prompt")
     return tokenize_prompt(prompt, llm.tokenizer)
-
-
-def _chat_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list", param="messages")
-    text = llm.tokenizer.apply_chat_template(flatten_text_content(messages), add_generation_prompt=True)
-    return tokenize_prompt(text, llm.tokenizer, add_special_tokens=False)
-
-
-def _default_max_tokens(llm: LLM, prompt: TokenizedPrompt, chat: bool) -> int:
-    # Chat fills the remaining context when max_tokens is absent (as vLLM does); completions default to OpenAI's 16.
-    return llm.max_model_len - len(prompt.token_ids) if chat else OPENAI_DEFAULT_MAX_TOKENS
 
 
 def _result_line(item: BatchItem, result, model_name: str) -> dict[str, Any]:

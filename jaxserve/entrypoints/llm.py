@@ -15,14 +15,14 @@ from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.sequence import Sequence as GeneratingSequence
-from jaxserve.entrypoints.prompts import (TokenizedPrompt, check_prompt, normalize_prompts, params_per_prompt,
-                                          tokenize_prompt)
+from jaxserve.entrypoints.prompts import (TokenizedPrompt, chat_prompt, check_prompt, normalize_prompts,
+                                          params_per_prompt, tokenize_prompt)
 from jaxserve.errors import ConfigError, InvalidRequestError
 from jaxserve.model.paged_kv_cache import resolve_attention_backend
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.dense_decoder import DecodeRequest, DenseDecoder
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import Tokenizer, flatten_text_content, load_tokenizer
+from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
 Conversation = list[dict[str, Any]]
 
@@ -81,15 +81,8 @@ class LLM:
              add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
              ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation (a list of messages) or to a list of them."""
-        conversations = _as_conversations(messages)
-        tokenized = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                flatten_text_content(conversation), add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
-            )
-            # The template writes BOS itself; adding it again would double it.
-            tokenized.append(tokenize_prompt(text, self.tokenizer, add_special_tokens=False))
+        tokenized = [chat_prompt(self.tokenizer, conversation, add_generation_prompt, **(chat_template_kwargs or {}))
+                     for conversation in _as_conversations(messages)]
         return self._run(tokenized, params_per_prompt(sampling_params, len(tokenized)), use_tqdm)
 
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

@@ -6,6 +6,7 @@ clients send (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_tok
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,8 +26,11 @@ OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint generates w
 def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_tokens: int) -> SamplingParams:
     """SamplingParams of a completions (chat=False) or chat completions body; InvalidRequestError names the field."""
     kwargs = {name: body[name] for name in _PASSED_THROUGH if body.get(name) is not None}
-    max_tokens = body.get("max_completion_tokens") if chat else None
-    max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+    # SamplingParams fields that chat bodies spell otherwise, so that errors name the field the client sent.
+    spelled = {"logprobs": "top_logprobs"} if chat else {}
+    if chat and body.get("max_completion_tokens") is not None:  # OpenAI's newer name wins over the older one
+        spelled["max_tokens"] = "max_completion_tokens"
+    max_tokens = body.get(spelled.get("max_tokens", "max_tokens"))
     kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     stop = body.get("stop")
     if stop is not None:
@@ -42,16 +46,30 @@ def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_toke
         kwargs["logprobs"] = logprobs
     try:
         return SamplingParams(**kwargs)
+    except InvalidRequestError as e:
+        field = spelled.get(e.param)
+        if field is None:
+            raise
+        raise InvalidRequestError(str(e).replace(e.param, field, 1), param=field) from None
     except TypeError as e:
         raise InvalidRequestError(f"a sampling field has the wrong type: {e}") from None
 
 
-def _requested_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+def default_max_tokens(chat: bool, prompt_len: int, max_model_len: int) -> int:
+    """For bodies without max_tokens: chat fills the rest of the context (as vLLM does), completions get OpenAI's 16."""
+    return max_model_len - prompt_len if chat else OPENAI_DEFAULT_MAX_TOKENS
+
+
+def _requested_logprobs(body: dict[str, Any], chat: bool) -> Any:
+    """Completions ask with `logprobs: k`; chat with `logprobs: true` and `top_logprobs: k`."""
     if not chat:
         return body.get("logprobs")
-    if not body.get("logprobs"):
-        return None
-    return body.get("top_logprobs") or 0
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidRequestError(f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
+    if top is not None and not wanted:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (0 if top is None else top) if wanted else None
 
 
 def completion_body(outputs: Sequence[RequestOutput], model: str, echo_tokenizer: Tokenizer | None = None,
@@ -75,6 +93,15 @@ def completion_chunk(chunk_id: str, created: int, model: str, index: int, text: 
     """One streamed /v1/completions event: what one choice gained."""
     return {"id": chunk_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
+
+
+def chat_completion_chunk(chunk_id: str, created: int, model: str, index: int, delta: dict[str, Any],
+                          logprobs: dict[str, Any] | None, finish_reason: str | None,
+                          stop_reason: int | str | None) -> dict[str, Any]:
+    """One streamed /v1/chat/completions event: what one choice gained (`delta`: role and/or content)."""
+    return {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                          "stop_reason": stop_reason}]}
 
 
@@ -102,7 +129,8 @@ def chat_completion_body(output: RequestOutput, model: str) -> dict[str, Any]:
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
         "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": _chat_logprobs(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                     "logprobs": chat_logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason}
                     for c in output.outputs],
         "usage": usage([output]),
     }
@@ -122,7 +150,7 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: list[dict[int, Logpr
     return {
         "tokens": [entry.decoded_token for entry in sampled],
         "token_logprobs": [entry.logprob for entry in sampled],
-        "top_logprobs": [{c.decoded_token: c.logprob for c in candidates.values()} for candidates in logprobs],
+        "top_logprobs": [_top_by_text(candidates) for candidates in logprobs],
         "text_offset": _offsets([entry.decoded_token for entry in sampled], first_offset),
     }
 
@@ -136,10 +164,19 @@ def _prompt_logprobs(output: RequestOutput, tokenizer: Tokenizer) -> dict[str, A
         "tokens": tokens,
         "token_logprobs": [candidates[token].logprob if candidates else None
                            for token, candidates in zip(output.prompt_token_ids, scored)],
-        "top_logprobs": [{c.decoded_token: c.logprob for c in candidates.values()} if candidates else None
-                         for candidates in scored],
+        "top_logprobs": [_top_by_text(candidates) if candidates else None for candidates in scored],
         "text_offset": _offsets(tokens, 0),
     }
+
+
+def _top_by_text(candidates: dict[int, Logprob]) -> dict[str, float]:
+    """The legacy shape keys alternatives by text. Different tokens can spell the same text (byte pieces all decode
+    to U+FFFD): the likelier one's log-probability stays, so a client's greedy check (is the token's log-probability
+    the largest listed?) stays right."""
+    top: dict[str, float] = {}
+    for candidate in candidates.values():
+        top[candidate.decoded_token] = max(candidate.logprob, top.get(candidate.decoded_token, -math.inf))
+    return top
 
 
 def _joined_logprobs(prompt: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
@@ -156,12 +193,12 @@ def _offsets(pieces: list[str], first: int) -> list[int]:
     return offsets
 
 
-def _chat_logprobs(completion: CompletionOutput) -> dict[str, Any] | None:
-    """The chat shape: one entry per token with its top alternatives (the sampled token listed first)."""
-    if completion.logprobs is None:
+def chat_logprobs(token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
+    """The chat shape: one entry per token with its top alternatives (most likely first)."""
+    if logprobs is None:
         return None
     content = []
-    for token, candidates in zip(completion.token_ids, completion.logprobs):
+    for token, candidates in zip(token_ids, logprobs):
         chosen = candidates[token]
         alternatives = sorted(candidates.values(), key=lambda c: c.rank)
         content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,

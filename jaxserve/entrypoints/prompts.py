@@ -1,4 +1,5 @@
-"""Turning the prompt forms users pass (text, token ids, dicts, lists of these) into validated token sequences."""
+"""Turning the prompt forms users pass (text, token ids, dicts, lists of these, conversations) into validated token
+sequences."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.errors import InvalidRequestError
+from jaxserve.errors import InvalidRequestError, TokenizerError
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import Tokenizer, flatten_text_content
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,22 +41,49 @@ def tokenize_prompt(prompt: str | dict, tokenizer: Tokenizer, add_special_tokens
         raise InvalidRequestError(f"a prompt must be text or token ids, got {type(prompt).__name__}", param="prompt")
     if not text:
         raise InvalidRequestError("prompt is empty", param="prompt")
-    return TokenizedPrompt(text=text, token_ids=tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+    return TokenizedPrompt(text=text, token_ids=tuple(encode_text(tokenizer, text, add_special_tokens)))
 
 
-def check_prompt(prompt: TokenizedPrompt, vocab_size: int, max_model_len: int) -> None:
-    """Rejects prompts the model cannot run: empty, ids outside the vocabulary, or no room left to generate."""
+def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    """`tokenizer.encode`, refusing text that is not Unicode (JSON may carry lone surrogates the tokenizer rejects)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{param} is not valid Unicode text: {e.reason} at position {e.start}",
+                                  param=param) from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Any, add_generation_prompt: bool = True,
+                **template_variables: Any) -> TokenizedPrompt:
+    """A conversation rendered by the model's chat template (text parts joined), then tokenized.
+
+    The template writes BOS itself, so encoding adds no special tokens: adding them again would double BOS.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(flatten_text_content(messages),
+                                             add_generation_prompt=add_generation_prompt, **template_variables)
+    except TokenizerError as e:  # a message the template or its content parts cannot take
+        raise InvalidRequestError(str(e), param="messages") from None
+    return tokenize_prompt(text, tokenizer, add_special_tokens=False)
+
+
+def check_prompt(prompt: TokenizedPrompt, vocab_size: int, max_model_len: int, param: str = "prompt") -> None:
+    """Rejects prompts the model cannot run: empty, ids outside the vocabulary, or no room left to generate; `param`
+    names the request field the prompt came from."""
     ids = prompt.token_ids
     if not ids:
-        raise InvalidRequestError("prompt is empty", param="prompt")
+        raise InvalidRequestError("prompt is empty", param=param)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt")
+        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
     if len(ids) >= max_model_len:
         raise InvalidRequestError(
             f"prompt has {len(ids)} tokens, but max_model_len is {max_model_len} (at least one token must be "
             "generated)",
-            param="prompt",
+            param=param,
         )
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from quart import Quart, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
 from jaxserve.entrypoints.openai_body import error_body
 from jaxserve.errors import EngineDeadError, EngineStepError, InvalidRequestError, JaxserveError
+from jaxserve.server.sse import DONE, sse_event, sse_response
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +62,30 @@ def register_error_handlers(app: Quart) -> None:
 
     for kind in (ApiError, JaxserveError, EngineDeadError, EngineStepError, HTTPException, Exception):
         app.register_error_handler(kind, handle)
+
+
+async def streamed_response(payloads: AsyncIterator[dict[str, Any]], preamble: Sequence[dict[str, Any]] = (),
+                            ) -> Response:
+    """An SSE response: `preamble`, then `payloads`, then `data: [DONE]`.
+
+    The first payload is awaited before answering, so a request the engine refuses still gets its 400; after that
+    the status has been sent, and a failure travels as an error event.
+    """
+    try:
+        first = [await anext(payloads)]
+    except StopAsyncIteration:
+        first = []
+    return sse_response(_events([*preamble, *first], payloads))
+
+
+async def _events(ready: list[dict[str, Any]], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(rest):  # a client that leaves closes `rest`, which aborts its engine requests
+        try:
+            for payload in ready:
+                yield sse_event(payload)
+            async for payload in rest:
+                yield sse_event(payload)
+        except Exception as e:
+            error = as_api_error(e)
+            yield sse_event(error_body(error.message, error.param, error.kind))
+    yield DONE

@@ -10,8 +10,10 @@ from typing import Any
 from quart import Quart, current_app, request
 
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.server.admission import Admission, releasing_admissions
 from jaxserve.server.api_errors import ApiError, register_error_handlers
 from jaxserve.server.config import ServerConfig
+from jaxserve.server.metrics import ServerMetrics
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -26,12 +28,21 @@ class ServerContext:
     vocab_size: int  # token ids must be below it
     draining: bool = False  # set by SIGTERM: new requests get 503 while in-flight ones finish
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))  # start time, shown by /v1/models
+    profiling: bool = False  # a JAX profiler trace is being recorded (/start_profile until /stop_profile)
+    metrics: ServerMetrics = dataclasses.field(init=False)  # this app's Prometheus registry, served by /metrics
+    admission: Admission = dataclasses.field(init=False)  # admitted sequences against the engine's batch + queue
+
+    def __post_init__(self):
+        engine = self.engine
+        self.metrics = ServerMetrics(lambda: engine.stats)
+        self.admission = Admission(engine.engine.config.max_num_seqs + self.config.max_waiting_requests)
 
 
 def create_app(context: ServerContext) -> Quart:
-    from jaxserve.server import completions, ops  # route modules import this one for server_context
+    from jaxserve.server import chat, completions, ops, tokenizer_routes  # they import this module for server_context
 
-    app = Quart("jaxserve")
+    app = Quart("jaxserve", static_folder=None)  # an API: no /static route
+    app.asgi_app = releasing_admissions(app.asgi_app, context.admission)
     # Streams may run for minutes: Quart's 60 s response timeout would cut them (it looks like a disconnect).
     app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=context.config.max_body_bytes)
     app.extensions["jaxserve"] = context
@@ -39,7 +50,7 @@ def create_app(context: ServerContext) -> Quart:
     app.before_request(_check_api_key)
     app.before_serving(_start_engine)
     app.after_serving(_stop_engine)
-    for routes in (completions, ops):
+    for routes in (completions, chat, tokenizer_routes, ops):
         app.register_blueprint(routes.blueprint)
     return app
 
@@ -66,13 +77,19 @@ def check_model(body: dict[str, Any], context: ServerContext) -> None:
 
 async def _check_api_key() -> None:
     context = server_context()
-    if context.config.api_key is None or not request.path.startswith("/v1/"):
+    if context.config.api_key is None or not _needs_key(request.path):
         return
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     # Constant time: the comparison must not reveal how much of a guessed key was right.
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), context.config.api_key.encode()):
         raise ApiError(401, "missing or invalid API key (send Authorization: Bearer KEY)", kind="authentication_error")
+
+
+def _needs_key(path: str) -> bool:
+    """The API (as in vLLM) and the profiler, which writes files; health, metrics and tokenizer routes stay open
+    for probes, scrapers and harnesses."""
+    return path.startswith("/v1/") or path in ("/start_profile", "/stop_profile")
 
 
 async def _start_engine() -> None:

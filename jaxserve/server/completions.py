@@ -12,15 +12,14 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk,
-                                              completion_logprobs, error_body, sampling_params_from_body, usage,
-                                              usage_chunk)
+                                              completion_logprobs, sampling_params_from_body, usage, usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, check_prompt, tokenize_prompt
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.api_errors import ApiError, as_api_error
+from jaxserve.server.admission import admit
+from jaxserve.server.api_errors import ApiError, streamed_response
 from jaxserve.server.app import ServerContext, check_model, json_body, server_context
 from jaxserve.server.request_fields import check_limits, flag, include_usage
-from jaxserve.server.sse import DONE, sse_event, sse_response
 from jaxserve.server.streams import final_outputs, merged_events
 
 blueprint = Blueprint("completions", __name__)
@@ -44,12 +43,13 @@ async def create_completion() -> Response:
     body = await json_body()
     check_model(body, context)
     request = parse_completion_request(body, context)
+    admit(context, len(request.prompts) * request.params.n)
     model = context.config.served_model_name
     if request.stream:
-        events = _completion_events(context, request, model)
-        first = await anext(events)  # a request the engine refuses still gets its 400 before the stream starts
-        return sse_response(_prepend(first, events))
-    outputs = await final_outputs(context.engine, request.prompts, request.params)
+        chunk_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echoed = _echo_chunks(context, request, chunk_id, created, model) if request.echo else []
+        return await streamed_response(_completion_chunks(context, request, chunk_id, created, model), echoed)
+    outputs = await final_outputs(context, request.prompts, request.params)
     if request.prompt_only:
         outputs = [_without_generated(output) for output in outputs]
     return jsonify(completion_body(outputs, model, echo_tokenizer=context.tokenizer if request.echo else None))
@@ -58,7 +58,7 @@ async def create_completion() -> Response:
 def parse_completion_request(body: dict[str, Any], context: ServerContext) -> CompletionRequest:
     prompts = _prompts(body.get("prompt"), context)
     echo, stream = flag(body, "echo"), flag(body, "stream")
-    prompt_only = echo and body.get("max_tokens") == 0
+    prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
     fields = {**body, "max_tokens": 1} if prompt_only else body
     params = sampling_params_from_body(fields, chat=False, default_max_tokens=OPENAI_DEFAULT_MAX_TOKENS)
     if echo and params.logprobs is not None:
@@ -94,47 +94,40 @@ def _is_token_ids(value: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-async def _completion_events(context: ServerContext, request: CompletionRequest, model: str,
-                             ) -> AsyncIterator[bytes]:
-    chunk_id, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), request.params.n
+def _echo_chunks(context: ServerContext, request: CompletionRequest, chunk_id: str, created: int,
+                 model: str) -> list[dict[str, Any]]:
+    """Each choice's first event with echo: its prompt's text."""
+    chunks = []
+    for i, prompt in enumerate(request.prompts):
+        text = prompt.text if prompt.text is not None else context.tokenizer.decode(list(prompt.token_ids))
+        chunks += [completion_chunk(chunk_id, created, model, i * request.params.n + j, text, None, None, None)
+                   for j in range(request.params.n)]
+    return chunks
+
+
+async def _completion_chunks(context: ServerContext, request: CompletionRequest, chunk_id: str, created: int,
+                             model: str) -> AsyncIterator[dict[str, Any]]:
+    n = request.params.n
     finished: list[RequestOutput] = []
-    try:
-        if request.echo:
-            for i, prompt in enumerate(request.prompts):
-                text = prompt.text if prompt.text is not None else context.tokenizer.decode(list(prompt.token_ids))
-                for j in range(n):
-                    yield sse_event(completion_chunk(chunk_id, created, model, i * n + j, text, None, None, None))
-        async with contextlib.aclosing(merged_events(context.engine, request.prompts, request.params)) as events:
-            async for i, event in events:
-                if isinstance(event, RequestOutput):
-                    finished.append(event)
-                elif request.prompt_only:
-                    if event.finish_reason is not None:
-                        yield sse_event(completion_chunk(chunk_id, created, model, i * n + event.index, "", None,
-                                                         "length", None))
-                elif event.text or event.finish_reason or event.logprobs:
-                    yield sse_event(_delta_chunk(chunk_id, created, model, i * n + event.index, event))
-        if request.include_usage:
-            if request.prompt_only:
-                finished = [_without_generated(output) for output in finished]
-            yield sse_event(usage_chunk(chunk_id, created, model, "text_completion", usage(finished)))
-    except Exception as e:  # after the first event the status is sent: the error travels as an event
-        error = as_api_error(e)
-        yield sse_event(error_body(error.message, error.param, error.kind))
-    yield DONE
+    async with contextlib.aclosing(merged_events(context, request.prompts, request.params)) as events:
+        async for i, event in events:
+            if isinstance(event, RequestOutput):
+                finished.append(event)
+            elif request.prompt_only:
+                if event.finish_reason is not None:
+                    yield completion_chunk(chunk_id, created, model, i * n + event.index, "", None, "length", None)
+            elif event.text or event.finish_reason or event.logprobs:
+                yield _delta_chunk(chunk_id, created, model, i * n + event.index, event)
+    if request.include_usage:
+        if request.prompt_only:
+            finished = [_without_generated(output) for output in finished]
+        yield usage_chunk(chunk_id, created, model, "text_completion", usage(finished))
 
 
 def _delta_chunk(chunk_id: str, created: int, model: str, index: int, delta: CompletionDelta) -> dict[str, Any]:
     return completion_chunk(chunk_id, created, model, index, delta.text,
                             completion_logprobs(delta.token_ids, delta.logprobs), delta.finish_reason,
                             delta.stop_reason)
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async with contextlib.aclosing(rest):
-        async for item in rest:
-            yield item
 
 
 def _without_generated(output: RequestOutput) -> RequestOutput:

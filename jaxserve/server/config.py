@@ -33,3 +33,7 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s!r}")
+        if not self.health_timeout_s > 0:
+            raise ConfigError(f"health_timeout_s must be positive, got {self.health_timeout_s!r}")

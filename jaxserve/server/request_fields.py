@@ -9,11 +9,11 @@ from jaxserve.server.api_errors import ApiError
 from jaxserve.server.config import ServerConfig
 
 
-def flag(body: dict[str, Any], name: str) -> bool:
-    """A boolean field; absent or null is False, anything but a boolean is a 400."""
+def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean field; absent or null is `default`, anything but a boolean is a 400."""
     value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise ApiError(400, f"{name} must be a boolean, got {value!r}", param=name)
     return value
@@ -30,7 +30,7 @@ def include_usage(body: dict[str, Any]) -> bool:
 
 
 def check_limits(params: SamplingParams, num_prompts: int, config: ServerConfig) -> None:
-    """The server's own caps, which bound what one request may cost."""
+    """The server's own caps, which bound what one request may cost (the engine checks what the model can take)."""
     if params.n > config.max_n:
         raise ApiError(400, f"n must be at most {config.max_n}, got {params.n}", param="n")
     if num_prompts > config.max_prompts:

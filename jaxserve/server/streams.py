@@ -1,4 +1,7 @@
-"""Running a request's prompts through the engine together: one merged stream of (prompt index, event)."""
+"""Running a request's prompts through the engine together: one merged stream of (prompt index, event).
+
+Every request of every route passes through `merged_events`, so this is where request metrics are taken.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,21 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
-from jaxserve.engine.async_engine import AsyncEngine, EngineEvent
+from jaxserve.engine.async_engine import EngineEvent
 from jaxserve.entrypoints.prompts import TokenizedPrompt
+from jaxserve.errors import JaxserveError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.server.app import ServerContext
 
 _END = object()  # a prompt's stream ended
 
 
-async def merged_events(engine: AsyncEngine, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
+async def merged_events(context: ServerContext, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
                         ) -> AsyncIterator[tuple[int, EngineEvent]]:
     """Every prompt's events as they come, tagged with the prompt's index; the first failure ends them all.
 
@@ -23,11 +31,13 @@ async def merged_events(engine: AsyncEngine, prompts: Sequence[TokenizedPrompt],
     """
     queue: asyncio.Queue = asyncio.Queue()
     base = uuid.uuid4().hex
+    observers = [context.metrics.request_observer(len(p.token_ids), params.n) for p in prompts]
+    ended_by = "abort"  # what unfinished continuations count as when the stream ends early: the caller left
 
     async def pump(index: int, prompt: TokenizedPrompt) -> None:
         try:
-            async with contextlib.aclosing(engine.generate(f"{base}-{index}", prompt.token_ids, params,
-                                                           prompt=prompt.text)) as events:
+            async with contextlib.aclosing(context.engine.generate(f"{base}-{index}", prompt.token_ids, params,
+                                                                   prompt=prompt.text)) as events:
                 async for event in events:
                     queue.put_nowait((index, event))
         except Exception as e:
@@ -42,20 +52,25 @@ async def merged_events(engine: AsyncEngine, prompts: Sequence[TokenizedPrompt],
             if event is _END:
                 remaining -= 1
             elif isinstance(event, Exception):
+                # A refused request never ran; any other failure ended running continuations.
+                ended_by = None if isinstance(event, JaxserveError) else "error"
                 raise event
             else:
+                observers[index].observe(event)
                 yield index, event
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for observer in observers:
+            observer.close(ended_by)
 
 
-async def final_outputs(engine: AsyncEngine, prompts: Sequence[TokenizedPrompt],
+async def final_outputs(context: ServerContext, prompts: Sequence[TokenizedPrompt],
                         params: SamplingParams) -> list[RequestOutput]:
     """Each prompt's finished RequestOutput, in prompt order."""
     outputs: dict[int, RequestOutput] = {}
-    async with contextlib.aclosing(merged_events(engine, prompts, params)) as events:
+    async with contextlib.aclosing(merged_events(context, prompts, params)) as events:
         async for index, event in events:
             if isinstance(event, RequestOutput):
                 outputs[index] = event

@@ -1,0 +1,269 @@
+"""The live server through the official `openai` client: completions and chat, streamed or not, n, stop, seed,
+logprobs, lm-evaluation-harness's scoring request and the tokenizer routes. Greedy answers must be exactly what
+`LLM.generate` / `LLM.chat` give offline with the same engine settings."""
+
+import httpx
+import openai
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.entrypoints.openai_body import completion_logprobs
+from jaxserve.outputs import Logprob
+from jaxserve.settings import load_settings
+from tests.live_server import TINY_CONFIG, running_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "jaxserve-builtin"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One."}]}]
+LOGPROB_TOLERANCE = 1e-4  # the server batches prompts differently from the oracle: float32 sums may differ a little
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("server")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """The offline engine with the server's settings (configs/tiny-cpu.yaml)."""
+    return LLM(**load_settings(TINY_CONFIG, {}).llm_kwargs(), use_tqdm_on_load=False)
+
+
+def _greedy(max_tokens, **kwargs):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+
+
+def _offline(oracle, prompt, params):
+    return oracle.generate(prompt, params, use_tqdm=False)[0]
+
+
+# --- completions -------------------------------------------------------------------------------------------------
+
+
+def test_greedy_completion_equals_llm_generate(client, oracle):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = _offline(oracle, PROMPT, _greedy(12))
+    assert response.object == "text_completion" and response.model == MODEL
+    assert response.choices[0].text == expected.outputs[0].text
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_streamed_completion_joins_to_the_non_streamed_text(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    *content, last = chunks
+    assert "".join(c.choices[0].text for c in content) == whole.choices[0].text
+    assert content[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completion_n_2_gives_two_indexed_choices(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1, seed=3, n=2)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert 2 <= response.usage.completion_tokens <= 12
+
+
+def test_completion_stop_string_ends_the_text_as_offline(client, oracle):
+    full = _offline(oracle, PROMPT, _greedy(16)).outputs[0].text
+    stop = full[4:6]
+    assert stop.strip(), f"greedy text too short to pick a stop string from: {full!r}"
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    expected = _offline(oracle, PROMPT, _greedy(16, stop=[stop])).outputs[0]
+    choice = response.choices[0]
+    assert choice.text == expected.text and stop not in choice.text and full.startswith(choice.text)
+    assert choice.finish_reason == "stop"
+
+
+def test_same_seed_same_text_and_other_seeds_differ(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1,
+                                         seed=seed).choices[0].text
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+def test_completion_logprobs_match_offline(client, oracle):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    expected = _offline(oracle, PROMPT, _greedy(6, logprobs=2)).outputs[0]
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == response.usage.completion_tokens == len(expected.token_ids)
+    for token, logprob, top, (token_id, candidates) in zip(logprobs.tokens, logprobs.token_logprobs,
+                                                           logprobs.top_logprobs,
+                                                           zip(expected.token_ids, expected.logprobs)):
+        assert logprob == pytest.approx(candidates[token_id].logprob, abs=LOGPROB_TOLERANCE)
+        assert token in top and 1 <= len(top) <= 3
+
+
+# --- chat --------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_chat_equals_llm_chat(client, oracle):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+    expected = oracle.chat(CHAT, _greedy(10), use_tqdm=False)[0]
+    choice = response.choices[0]
+    assert response.object == "chat.completion"
+    assert choice.message.role == "assistant" and choice.message.content == expected.outputs[0].text
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_chat_without_max_tokens_may_fill_the_context(client, oracle):
+    messages = [{"role": "user", "content": "Hi"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    prompt_len = len(oracle.chat(messages, _greedy(1), use_tqdm=False)[0].prompt_token_ids)
+    # The random model rarely says EOS: it either stops early or runs to the end of the context, never beyond.
+    assert response.usage.prompt_tokens == prompt_len
+    assert response.usage.total_tokens <= oracle.max_model_len
+    assert response.choices[0].finish_reason == "stop" or response.usage.total_tokens == oracle.max_model_len
+
+
+def test_streamed_chat_starts_with_the_role_and_joins_to_the_non_streamed_text(client):
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0, n=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    *content, last = chunks
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    for index in (0, 1):
+        mine = [c.choices[0] for c in content if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[0].delta.content == ""
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[0].message.content
+        assert [c.finish_reason for c in mine][-1] == whole.choices[0].finish_reason
+        assert all(c.finish_reason is None for c in mine[:-1])
+    assert last.choices == [] and last.usage.completion_tokens == 2 * whole.usage.completion_tokens
+
+
+def test_chat_n_stop_and_seed(client):
+    def sample(seed, **kwargs):
+        return client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=1, seed=seed,
+                                              **kwargs)
+
+    first, again, other = sample(5, n=2), sample(5, n=2), sample(50, n=2)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert [c.message.content for c in first.choices] != [c.message.content for c in other.choices]
+    text = first.choices[0].message.content
+    stop = text[2:4]
+    assert stop.strip(), f"sampled text too short to pick a stop string from: {text!r}"
+    stopped = sample(5, stop=stop).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.message.content == text[:text.index(stop)]
+
+
+def test_chat_logprobs_with_top_3_match_offline(client, oracle):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                              top_logprobs=3)
+    expected = oracle.chat(CHAT, _greedy(6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == len(expected.token_ids)
+    for entry, token_id, candidates in zip(content, expected.token_ids, expected.logprobs):
+        assert entry.logprob == pytest.approx(candidates[token_id].logprob, abs=LOGPROB_TOLERANCE)
+        assert 3 <= len(entry.top_logprobs) <= 4 and entry.token in [t.token for t in entry.top_logprobs]
+        assert entry.top_logprobs[0].logprob == max(t.logprob for t in entry.top_logprobs)
+
+
+def test_streamed_chat_logprobs_cover_every_token(client):
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [entry for c in chunks if c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+
+
+# --- lm-evaluation-harness ---------------------------------------------------------------------------------------
+
+
+def _lm_eval_scoring(server, prompts, max_tokens):
+    """The body lm-evaluation-harness's local-completions sends for loglikelihood requests."""
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": max_tokens, "echo": True, "logprobs": 1,
+            "temperature": 0, "seed": 1234}
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.fixture(scope="module")
+def scored_prompts(oracle):
+    """Pre-tokenized prompts (no BOS, as lm-eval sends them) and their offline prompt log-probabilities.
+
+    The last one ends with the model's own greedy continuation, so lm-eval's greedy check meets both answers.
+    """
+    text = oracle.tokenizer.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    continuation = _offline(oracle, {"prompt_token_ids": text}, _greedy(8)).outputs[0].token_ids
+    prompts = [text, list(range(40, 60)), text + list(continuation)]
+    expected = oracle.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    return prompts, expected
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_lm_eval_loglikelihood_request(server, scored_prompts, max_tokens):
+    prompts, expected = scored_prompts
+    body = _lm_eval_scoring(server, prompts, max_tokens)
+    assert len(body["choices"]) == len(prompts)
+    greedy_checks = set()
+    for choice, prompt, offline in zip(body["choices"], prompts, expected):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(prompt) + max_tokens
+        assert logprobs["token_logprobs"][0] is None  # nothing predicts the first token
+        for position in range(1, len(prompt)):
+            scored = offline.prompt_logprobs[position][prompt[position]]
+            token_logprob, top = logprobs["token_logprobs"][position], logprobs["top_logprobs"][position]
+            assert token_logprob == pytest.approx(scored.logprob, abs=LOGPROB_TOLERANCE)
+            assert logprobs["tokens"][position] in top
+            # lm-eval's greedy check: the token's log-probability is the largest listed
+            greedy = token_logprob >= max(top.values()) - 1e-6
+            assert greedy == (scored.rank == 1)
+            greedy_checks.add(greedy)
+    assert greedy_checks == {True, False}
+    assert body["usage"]["completion_tokens"] == max_tokens * len(prompts)
+
+
+def test_legacy_top_logprobs_keep_the_likelier_of_tokens_spelled_alike():
+    # Byte pieces of a multi-byte character all decode to U+FFFD; lm-eval's greedy check compares log-probabilities
+    candidates = {7: Logprob(-0.5, 1, "\ufffd"), 9: Logprob(-2.0, 2, "a"), 8: Logprob(-3.0, 3, "\ufffd")}
+    logprobs = completion_logprobs([8], [candidates])
+    assert logprobs["top_logprobs"] == [{"\ufffd": -0.5, "a": -2.0}]
+    assert logprobs["token_logprobs"][0] < max(logprobs["top_logprobs"][0].values())  # so token 8 is not greedy
+
+
+# --- tokenizer routes --------------------------------------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize_round_trip(server, oracle):
+    tokenizer = oracle.tokenizer
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with_bos = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert with_bos == {"tokens": tokenizer.encode(PROMPT), "count": len(tokenizer.encode(PROMPT)),
+                            "max_model_len": oracle.max_model_len}
+        bare = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+        assert bare["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+        chat = http.post("/tokenize", json={"messages": CHAT}).json()
+        assert tuple(chat["tokens"]) == oracle.chat(CHAT, _greedy(1), use_tqdm=False)[0].prompt_token_ids
+        assert chat["tokens"].count(tokenizer.bos_token_id) == 1  # the template writes BOS; encoding adds none
+        text = http.post("/detokenize", json={"tokens": with_bos["tokens"]}).json()
+        assert text == {"prompt": tokenizer.decode(with_bos["tokens"], skip_special_tokens=False)}
+        assert http.post("/tokenize", json={"prompt": text["prompt"], "add_special_tokens": False}).json()["tokens"] \
+            == with_bos["tokens"]
+
+
+def test_tokenizer_info_has_what_lm_eval_reads(server, oracle):
+    info = httpx.get(server.base_url + "/tokenizer_info", timeout=30).json()
+    tokenizer = oracle.tokenizer
+    assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
+    assert info["chat_template"] == tokenizer.chat_template.source
+    assert info["model_max_length"] == oracle.max_model_len and info["vocab_size"] == tokenizer.vocab_size

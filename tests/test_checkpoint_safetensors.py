@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR, load_model
-from jaxserve.checkpoint import safetensors_loader
+from jaxserve.checkpoint import safetensors_loader, shard_placement
 from jaxserve.checkpoint.param_tree import flat_arrays
 from jaxserve.errors import ModelLoadError, UnsupportedModelError
 from jaxserve.model.dtypes import resolve_dtype
@@ -78,16 +78,20 @@ def test_tied_model_ignores_a_redundant_lm_head(tmp_path):
 def test_tensors_are_read_once_each_and_never_two_at_a_time_on_the_host(tmp_path, monkeypatch):
     tensors = write_tiny_checkpoint(tmp_path, max_shard_bytes=SMALL_SHARD_BYTES)
     read_names, alive = [], []
-    real_read = safetensors_loader.read_tensor
+    real_slice, real_read = safetensors_loader.tensor_slice, shard_placement.read_shard
 
-    def spying_read(reader, name, file):
+    def spying_slice(reader, name, file):
         assert not [ref for ref in alive if ref() is not None], "a previous host tensor is still alive"
-        array = real_read(reader, name, file)
         read_names.append(name)
+        return real_slice(reader, name, file)
+
+    def spying_read(source, index, stored_rows):
+        array = real_read(source, index, stored_rows)
         alive.append(weakref.ref(array))
         return array
 
-    monkeypatch.setattr(safetensors_loader, "read_tensor", spying_read)
+    monkeypatch.setattr(safetensors_loader, "tensor_slice", spying_slice)
+    monkeypatch.setattr(shard_placement, "read_shard", spying_read)
     # Cast on load: on the CPU backend a same-dtype device_put may alias the host buffer, which is then the device
     # copy itself rather than a second one, and would make this check depend on buffer alignment.
     load_model(tmp_path, "bfloat16", progress=False)
@@ -101,7 +105,7 @@ def test_a_config_mismatch_fails_before_any_tensor_is_read(tmp_path, monkeypatch
     def must_not_read(reader, name, file):
         raise AssertionError(f"read {name} before the headers were checked")
 
-    monkeypatch.setattr(safetensors_loader, "read_tensor", must_not_read)
+    monkeypatch.setattr(safetensors_loader, "tensor_slice", must_not_read)
     with pytest.raises(ModelLoadError, match="model.layers.2"):
         load_model(tmp_path, "float32", progress=False)
 

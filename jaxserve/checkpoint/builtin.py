@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
+from jaxserve.checkpoint.param_tree import abstract_params, fill_params, flat_arrays
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.parallel import TensorParallelLayout
 
 BUILTIN_MODEL_DIR = Path(__file__).resolve().parent.parent / "builtin"
 BUILTIN_SEED = 0
@@ -27,6 +30,28 @@ def random_params(cfg: LlamaConfig, dtype: np.dtype, seed: int, init_std: float)
     return nnx.split(model, nnx.Param)
 
 
-def builtin_params(cfg: LlamaConfig, dtype: np.dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def sharded_random_params(layout: TensorParallelLayout, dtype: np.dtype, seed: int,
+                          init_std: float) -> tuple[nnx.GraphDef, nnx.State]:
+    """`random_params` of the layout's checkpoint config, laid out as the layout says (KV heads repeated, sharded).
+
+    Drawn inside one jit whose outputs carry the rules' shardings, so each device computes and keeps its shards
+    only; JAX's threefry is partitionable, so the numbers are the same for every sharding, and for any mesh size.
+    """
+    placed = abstract_params(layout.model_config, dtype, layout.param_sharding)
+
+    def draw() -> dict[str, jax.Array]:
+        _, state = random_params(layout.checkpoint_config, dtype, seed, init_std)
+        return {name: _repeat_rows(value, layout.stored_rows(name)) for name, value in flat_arrays(state).items()}
+
+    arrays = jax.jit(draw, out_shardings={name: spec.sharding for name, spec in placed.specs.items()})()
+    return placed.graphdef, fill_params(placed, arrays)
+
+
+def builtin_params(layout: TensorParallelLayout, dtype: np.dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """The built-in model's parameters: the same noise on every run."""
-    return random_params(cfg, dtype, BUILTIN_SEED, BUILTIN_INIT_STD)
+    return sharded_random_params(layout, dtype, BUILTIN_SEED, BUILTIN_INIT_STD)
+
+
+def _repeat_rows(value: jax.Array, stored_rows: np.ndarray | None) -> jax.Array:
+    """f[placed rows, ...] from f[stored rows, ...]: rows copied as stored_rows (i64[placed rows]) says."""
+    return value if stored_rows is None else value[stored_rows]

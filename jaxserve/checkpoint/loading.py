@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.checkpoint.builtin import BUILTIN_MODEL_DIR, builtin_params
 from jaxserve.checkpoint.model_files import (
@@ -25,44 +26,53 @@ from jaxserve.checkpoint.model_files import (
     orbax_dir,
 )
 from jaxserve.checkpoint.orbax_io import restore_orbax, save_orbax
-from jaxserve.checkpoint.param_tree import abstract_params, default_sharding, fill_params
+from jaxserve.checkpoint.param_tree import abstract_params, fill_params, tensor_targets, unchanged_targets
 from jaxserve.checkpoint.safetensors_loader import load_safetensors
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import resolve_dtype
+from jaxserve.parallel import plan_tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     """A model ready to run: `nnx.merge(graphdef, params)` rebuilds the `LlamaForCausalLM`."""
 
-    config: LlamaConfig  # architecture hyper-parameters from config.json
+    # Architecture hyper-parameters from config.json, as the model runs: with tensor parallelism over more devices
+    # than the model has KV heads, num_key_value_heads is the number of devices (each KV head repeated)
+    config: LlamaConfig
     graphdef: nnx.GraphDef  # module structure without weights
-    params: nnx.State  # every nnx.Param, on the default device, in `dtype`
+    params: nnx.State  # every nnx.Param in `dtype`, sharded over `mesh` as the sharding rules say
     dtype: np.dtype  # dtype of weights and activations
     model_dir: Path  # folder holding config and tokenizer files (BUILTIN_MODEL_DIR for the built-in model)
     source: str  # where the weights came from: "safetensors", "orbax" or "builtin"
+    mesh: Mesh | None = None  # the tensor-parallel mesh the weights are split over; None: all on the first device
 
 
-def load_model(model_dir: Path | None, dtype: str = "auto", progress: bool = True) -> LoadedModel:
-    """Load the model in `model_dir`, or the built-in model when it is None.
+def load_model(model_dir: Path | None, dtype: str = "auto", progress: bool = True,
+               tensor_parallel_size: int = 1) -> LoadedModel:
+    """Load the model in `model_dir`, or the built-in model when it is None, split over `tensor_parallel_size` devices.
 
     `dtype` is `auto` or a name `resolve_dtype` accepts. `progress` shows a progress bar while streaming
-    safetensors. Raises `ModelLoadError` (naming the file or tensor at fault) on anything wrong with the folder.
+    safetensors. Each device receives only its shard of each tensor. Raises `ModelLoadError` (naming the file or
+    tensor at fault) on anything wrong with the folder, `ConfigError` when the model cannot be split so.
     """
     if model_dir is None:
-        return _load_builtin(dtype)
+        return _load_builtin(dtype, tensor_parallel_size)
     model_dir = Path(model_dir)
     check_model_dir(model_dir)
     cfg = LlamaConfig.from_json_file(model_dir / CONFIG_FILE)
+    layout = plan_tensor_parallel(cfg, tensor_parallel_size)
     target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
-    abstract = abstract_params(cfg, target_dtype, default_sharding())
+    placed = abstract_params(layout.model_config, target_dtype, layout.param_sharding)
+    stored = abstract_params(cfg, target_dtype, layout.param_sharding)
+    targets = tensor_targets(stored, placed, layout.stored_rows)
     if has_orbax_checkpoint(model_dir):
-        source, arrays = "orbax", restore_orbax(orbax_dir(model_dir), abstract.specs)
+        source, arrays = "orbax", restore_orbax(orbax_dir(model_dir), targets)
     else:
-        source, arrays = "safetensors", load_safetensors(model_dir, abstract.specs, progress)
-    params = fill_params(abstract, arrays)
-    return LoadedModel(cfg, abstract.graphdef, params, target_dtype, model_dir, source)
+        source, arrays = "safetensors", load_safetensors(model_dir, targets, progress)
+    params = fill_params(placed, arrays)
+    return LoadedModel(layout.model_config, placed.graphdef, params, target_dtype, model_dir, source, layout.mesh)
 
 
 def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> None:
@@ -79,18 +89,19 @@ def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> N
     cfg = LlamaConfig.from_json_file(hf_dir / CONFIG_FILE)
     host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     # float32 is only a placeholder: keep_stored_dtype gives each array the dtype it has on disk.
-    abstract = abstract_params(cfg, jnp.dtype(jnp.float32), host)
-    arrays = load_safetensors(hf_dir, abstract.specs, progress, keep_stored_dtype=True)
+    abstract = abstract_params(cfg, jnp.dtype(jnp.float32), lambda name, shape: host)
+    arrays = load_safetensors(hf_dir, unchanged_targets(abstract.specs), progress, keep_stored_dtype=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     _copy_sidecar_files(hf_dir, out_dir)
     save_orbax(arrays, orbax_dir(out_dir))
 
 
-def _load_builtin(dtype: str) -> LoadedModel:
+def _load_builtin(dtype: str, tensor_parallel_size: int) -> LoadedModel:
     cfg = LlamaConfig.from_json_file(BUILTIN_MODEL_DIR / CONFIG_FILE)
+    layout = plan_tensor_parallel(cfg, tensor_parallel_size)
     target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
-    graphdef, params = builtin_params(cfg, target_dtype)
-    return LoadedModel(cfg, graphdef, params, target_dtype, BUILTIN_MODEL_DIR, "builtin")
+    graphdef, params = builtin_params(layout, target_dtype)
+    return LoadedModel(layout.model_config, graphdef, params, target_dtype, BUILTIN_MODEL_DIR, "builtin", layout.mesh)
 
 
 def _copy_sidecar_files(hf_dir: Path, out_dir: Path) -> None:

@@ -27,7 +27,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxserve.checkpoint.param_tree import FoundTensor, check_tensors_match
+from jaxserve.checkpoint.param_tree import FoundTensor, TensorTarget, check_tensors_match
+from jaxserve.checkpoint.shard_placement import place_tensor
 from jaxserve.errors import ModelLoadError
 
 # XLA's CPU client aliases a host buffer aligned to this many bytes instead of copying it.
@@ -45,20 +46,20 @@ def save_orbax(arrays: Mapping[str, jax.Array], directory: Path) -> None:
         checkpointer.save(directory.absolute(), args=ocp.args.PyTreeSave(dict(arrays)))
 
 
-def restore_orbax(directory: Path, specs: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
-    """Tensor name -> array for exactly the names in `specs`, restored in each spec's shape, dtype and sharding.
+def restore_orbax(directory: Path, targets: Mapping[str, TensorTarget]) -> dict[str, jax.Array]:
+    """Tensor name -> array for exactly the names in `targets`, restored in each target's shape, dtype and sharding.
 
-    Tensors stored in another dtype are cast on the host, as the safetensors path does. Raises `ModelLoadError` if the
-    checkpoint is unreadable or does not match the config.
+    Tensors stored in another dtype are cast on the host, as the safetensors path does; each device receives only
+    its shard. Raises `ModelLoadError` if the checkpoint is unreadable or does not match the config.
     """
     import orbax.checkpoint as ocp
 
     directory = directory.absolute()
     with ocp.StandardCheckpointer() as checkpointer:
         item_metadata = _item_metadata(checkpointer, directory)
-    check_tensors_match(_stored_tensors(item_metadata, directory), specs, where=str(directory))
+    check_tensors_match(_stored_tensors(item_metadata, directory), targets, where=str(directory))
     try:
-        return _read_tensors(directory, specs, use_zarr3=bool(item_metadata.use_zarr3))
+        return _read_tensors(directory, targets, use_zarr3=bool(item_metadata.use_zarr3))
     except Exception as e:  # TensorStore raises many unrelated types for a damaged checkpoint.
         raise _damaged(directory, e) from e
 
@@ -82,7 +83,7 @@ def _stored_tensors(item_metadata, directory: Path) -> dict[str, FoundTensor]:
     }
 
 
-def _read_tensors(directory: Path, specs: Mapping[str, jax.ShapeDtypeStruct], use_zarr3: bool) -> dict[str, jax.Array]:
+def _read_tensors(directory: Path, targets: Mapping[str, TensorTarget], use_zarr3: bool) -> dict[str, jax.Array]:
     """Read all tensors concurrently, at most `_MAX_BYTES_IN_FLIGHT` at a time, placing each as it completes."""
     import orbax.checkpoint as ocp
     import tensorstore as ts
@@ -91,7 +92,7 @@ def _read_tensors(directory: Path, specs: Mapping[str, jax.ShapeDtypeStruct], us
     orbax_context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
     context = ts.Context({"file_io_mode": {"mode": "memmap"}}, parent=orbax_context)
     opening = {
-        name: ts.open(_read_spec(directory, name, use_ocdbt, use_zarr3), open=True, context=context) for name in specs
+        name: ts.open(_read_spec(directory, name, use_ocdbt, use_zarr3), open=True, context=context) for name in targets
     }
     arrays: dict[str, jax.Array] = {}
     reading: deque = deque()
@@ -102,9 +103,9 @@ def _read_tensors(directory: Path, specs: Mapping[str, jax.ShapeDtypeStruct], us
         reading.append((name, host, ts.array(host).write(store)))
         bytes_in_flight += host.nbytes
         while bytes_in_flight > _MAX_BYTES_IN_FLIGHT:
-            bytes_in_flight -= _place(reading.popleft(), specs, arrays)
+            bytes_in_flight -= _place(reading.popleft(), targets, arrays)
     while reading:
-        _place(reading.popleft(), specs, arrays)
+        _place(reading.popleft(), targets, arrays)
     return arrays
 
 
@@ -116,13 +117,21 @@ def _read_spec(directory: Path, name: str, use_ocdbt: bool, use_zarr3: bool) -> 
     return ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
 
 
-def _place(read: tuple, specs: Mapping[str, jax.ShapeDtypeStruct], arrays: dict[str, jax.Array]) -> int:
-    """Wait for one read, cast it to its spec's dtype and put it on the device; return the host bytes it held."""
+def _place(read: tuple, targets: Mapping[str, TensorTarget], arrays: dict[str, jax.Array]) -> int:
+    """Wait for one read, then cast and put each device's shard on it; return the host bytes the read held."""
     name, host, written = read
     written.result()
-    spec = specs[name]
-    arrays[name] = jax.device_put(_cast(host, spec.dtype), spec.sharding)
+    target = targets[name]
+    if _is_single_device_copy(target):
+        # One whole-tensor device_put keeps the aligned buffer's zero-copy adoption on the CPU backend.
+        arrays[name] = jax.device_put(_cast(host, target.placed.dtype), target.placed.sharding)
+    else:
+        arrays[name] = place_tensor(host, target)
     return host.nbytes
+
+
+def _is_single_device_copy(target: TensorTarget) -> bool:
+    return target.stored_rows is None and len(target.placed.sharding.device_set) == 1
 
 
 def _cast(host: np.ndarray, dtype: np.dtype) -> np.ndarray:

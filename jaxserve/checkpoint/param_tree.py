@@ -7,7 +7,7 @@ with "." are exactly those names, so no renaming table exists anywhere.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -30,6 +30,17 @@ class AbstractParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorTarget:
+    """Where one checkpoint tensor goes: what the checkpoint must hold, and the array it becomes."""
+
+    stored_shape: tuple[int, ...]  # the shape the checkpoint's config implies (checked before any data is read)
+    placed: jax.ShapeDtypeStruct  # shape the model runs with, target dtype and sharding
+    # i64[placed.shape[0]]: the stored row each placed row copies (KV heads repeated for tensor parallelism);
+    # None: the placed tensor is the stored one
+    stored_rows: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class FoundTensor:
     """A tensor as a checkpoint describes it, for checking against the config before reading data."""
 
@@ -37,15 +48,30 @@ class FoundTensor:
     location: str  # file or folder that holds it, for error messages
 
 
-def abstract_params(cfg: LlamaConfig, dtype: np.dtype, sharding: jax.sharding.Sharding) -> AbstractParams:
-    """Shapes and names of every parameter, computed without allocating any weight."""
+ShardingOf = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]  # (tensor name, shape) -> its sharding
+
+
+def abstract_params(cfg: LlamaConfig, dtype: np.dtype, sharding_of: ShardingOf) -> AbstractParams:
+    """Shapes and names of every parameter, each with the sharding `sharding_of` gives, without allocating any."""
     abstract_model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype))
     graphdef, state = nnx.split(abstract_model, nnx.Param)
-    specs = {
-        tensor_name(path): jax.ShapeDtypeStruct(var.get_value().shape, dtype, sharding=sharding)
-        for path, var in nnx.to_flat_state(state)
-    }
+    specs = {}
+    for path, var in nnx.to_flat_state(state):
+        name, shape = tensor_name(path), var.get_value().shape
+        specs[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(name, shape))
     return AbstractParams(graphdef=graphdef, state=state, specs=specs)
+
+
+def tensor_targets(stored: AbstractParams, placed: AbstractParams,
+                   stored_rows: Callable[[str], np.ndarray | None]) -> dict[str, TensorTarget]:
+    """Tensor name -> its target, from the checkpoint's layout, the running model's, and the row copies between."""
+    return {name: TensorTarget(stored.specs[name].shape, spec, stored_rows(name))
+            for name, spec in placed.specs.items()}
+
+
+def unchanged_targets(specs: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, TensorTarget]:
+    """Targets that place each tensor as stored (one device, or conversion through the host)."""
+    return {name: TensorTarget(spec.shape, spec) for name, spec in specs.items()}
 
 
 def tensor_name(path: tuple) -> str:
@@ -64,14 +90,9 @@ def flat_arrays(params: nnx.State) -> dict[str, jax.Array]:
     return {tensor_name(path): var.get_value() for path, var in nnx.to_flat_state(params)}
 
 
-def default_sharding() -> jax.sharding.Sharding:
-    """Every weight on the first device; the one place to change when weights get sharded across devices."""
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-
 def check_tensors_match(
     found: Mapping[str, FoundTensor],
-    expected: Mapping[str, jax.ShapeDtypeStruct],
+    expected: Mapping[str, TensorTarget],
     where: str,
 ) -> None:
     """Raise `ModelLoadError` unless the checkpoint holds exactly the tensors the config implies, in their shapes.
@@ -90,9 +111,9 @@ def check_tensors_match(
             f"{_some(unexpected)}; does config.json belong to these weights?"
         )
     wrong_shapes = [
-        f"{name} in {found[name].location} has shape {found[name].shape} but config implies {spec.shape}"
-        for name, spec in expected.items()
-        if found[name].shape != spec.shape
+        f"{name} in {found[name].location} has shape {found[name].shape} but config implies {target.stored_shape}"
+        for name, target in expected.items()
+        if found[name].shape != target.stored_shape
     ]
     if wrong_shapes:
         raise ModelLoadError("; ".join(wrong_shapes[:MAX_NAMES_IN_MESSAGE]))

@@ -1,8 +1,9 @@
-"""Stream HF safetensors weights onto the device one tensor at a time.
+"""Stream HF safetensors weights onto the devices one tensor at a time, each device receiving only its shard.
 
 Every header is read and checked against the config first, so a wrong config fails in a second rather than after
-minutes of loading. Then each tensor is read from its (memory-mapped) file, cast on the host, copied to the device
-and waited for before the next read: host RAM holds at most one tensor (and its cast copy) at any moment.
+minutes of loading. Then each tensor is read from its (memory-mapped) file one device shard at a time (only that
+shard's bytes), cast on the host, copied to its device and waited for before the next tensor: host RAM holds at most
+one tensor's shards (and their cast copies) at any moment.
 
 Casting on the host rather than on the device keeps the device's peak at exactly the target-dtype weights: a device
 cast would briefly hold the stored and the cast copy of a tensor side by side there, where memory is scarcest (and
@@ -23,7 +24,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from jaxserve.checkpoint.model_files import safetensors_files
-from jaxserve.checkpoint.param_tree import FoundTensor, check_tensors_match
+from jaxserve.checkpoint.param_tree import FoundTensor, TensorTarget, check_tensors_match
+from jaxserve.checkpoint.shard_placement import place_tensor
 from jaxserve.errors import ModelLoadError, UnsupportedModelError
 
 # Buffers some older checkpoints carry; the model computes them from the config instead.
@@ -55,59 +57,63 @@ class StoredTensor:
 
 def load_safetensors(
     model_dir: Path,
-    specs: Mapping[str, jax.ShapeDtypeStruct],
+    targets: Mapping[str, TensorTarget],
     progress: bool,
     keep_stored_dtype: bool = False,
 ) -> dict[str, jax.Array]:
-    """Tensor name -> device array, for exactly the names in `specs`, placed and cast as each spec says.
+    """Tensor name -> device array, for exactly the names in `targets`, placed and cast as each target says.
 
     With `keep_stored_dtype` each array keeps the dtype it has on disk instead (conversion stores weights unchanged).
     """
-    stored = read_checkpoint_headers(model_dir, specs)
+    stored = read_checkpoint_headers(model_dir, targets)
     if keep_stored_dtype:
-        specs = {name: spec.update(dtype=stored[name].dtype) for name, spec in specs.items()}
-    return stream_to_device(stored, specs, progress)
+        targets = {name: dataclasses.replace(target, placed=target.placed.update(dtype=stored[name].dtype))
+                   for name, target in targets.items()}
+    return stream_to_device(stored, targets, progress)
 
 
-def read_checkpoint_headers(model_dir: Path, specs: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, StoredTensor]:
+def read_checkpoint_headers(model_dir: Path, targets: Mapping[str, TensorTarget]) -> dict[str, StoredTensor]:
     """The stored tensors the model needs, after checking their names and shapes against `specs`.
 
     Only headers are read. Raises `UnsupportedModelError` for non-float (quantized) tensors.
     """
-    stored = _drop_ignored(_read_all_headers(safetensors_files(model_dir)), specs)
+    stored = _drop_ignored(_read_all_headers(safetensors_files(model_dir)), targets)
     found = {name: FoundTensor(shape=tensor.shape, location=tensor.file.name) for name, tensor in stored.items()}
-    check_tensors_match(found, specs, where=str(model_dir))
+    check_tensors_match(found, targets, where=str(model_dir))
     return stored
 
 
 def stream_to_device(
     stored: Mapping[str, StoredTensor],
-    specs: Mapping[str, jax.ShapeDtypeStruct],
+    targets: Mapping[str, TensorTarget],
     progress: bool,
 ) -> dict[str, jax.Array]:
-    """Read, cast and transfer one tensor at a time, file by file."""
+    """Read, cast and transfer one tensor at a time (shard by shard), file by file."""
     arrays = {}
     total_bytes = sum(tensor.nbytes for tensor in stored.values())
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="Loading safetensors", disable=not progress) as bar:
         for file, names in _names_by_file(stored).items():
             with open_safetensors(file) as reader:
                 for name in names:
-                    arrays[name] = to_device(read_tensor(reader, name, file), specs[name])
+                    arrays[name] = to_device(tensor_slice(reader, name, file), targets[name])
                     bar.update(stored[name].nbytes)
     return arrays
 
 
-def read_tensor(reader: safe_open, name: str, file: Path) -> np.ndarray:
-    """One tensor's data as a host array in its stored dtype."""
+def tensor_slice(reader: safe_open, name: str, file: Path):
+    """A lazy view of one tensor: indexing it reads only the indexed part, in its stored dtype."""
     try:
-        return reader.get_tensor(name)
+        return reader.get_slice(name)
     except (SafetensorError, OSError) as e:
         raise ModelLoadError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from None
 
 
-def to_device(host: np.ndarray, spec: jax.ShapeDtypeStruct) -> jax.Array:
-    """Cast on the host, copy to the device, and wait, so the host buffer is released before the next read."""
-    return jax.device_put(host.astype(spec.dtype, copy=False), spec.sharding).block_until_ready()
+def to_device(source, target: TensorTarget) -> jax.Array:
+    """Read, cast and copy each device's shard, and wait, so host buffers are released before the next tensor."""
+    try:
+        return place_tensor(source, target).block_until_ready()
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"cannot read tensor {source} (corrupt file?): {e}") from None
 
 
 @contextlib.contextmanager
@@ -145,22 +151,22 @@ def _describe(reader: safe_open, name: str, file: Path) -> StoredTensor:
 
 def _drop_ignored(
     stored: dict[str, StoredTensor],
-    specs: Mapping[str, jax.ShapeDtypeStruct],
+    targets: Mapping[str, TensorTarget],
 ) -> dict[str, StoredTensor]:
     """Leave out rotary buffers, and a redundant lm_head copy some exports of tied-embedding models carry."""
     return {
         name: tensor
         for name, tensor in stored.items()
-        if not name.endswith(IGNORED_TENSOR_SUFFIXES) and not _is_redundant_output_projection(name, tensor, specs)
+        if not name.endswith(IGNORED_TENSOR_SUFFIXES) and not _is_redundant_output_projection(name, tensor, targets)
     }
 
 
-def _is_redundant_output_projection(name: str, tensor: StoredTensor, specs: Mapping[str, jax.ShapeDtypeStruct]) -> bool:
+def _is_redundant_output_projection(name: str, tensor: StoredTensor, targets: Mapping[str, TensorTarget]) -> bool:
     return (
         name == OUTPUT_PROJECTION
-        and OUTPUT_PROJECTION not in specs
-        and TIED_EMBEDDING in specs
-        and tensor.shape == specs[TIED_EMBEDDING].shape
+        and OUTPUT_PROJECTION not in targets
+        and TIED_EMBEDDING in targets
+        and tensor.shape == targets[TIED_EMBEDDING].stored_shape
     )
 
 

@@ -1,0 +1,122 @@
+"""The sharding rules: one table from HF parameter names to partitions, the KV pool's partition, and the layout.
+
+Weights keep HF's `[out, in]` layout. Megatron's split, so each layer needs two all-reduces and nothing else:
+  - q/k/v and MLP gate/up are column-parallel (split dim 0, the output features): each device computes whole heads
+    and a slice of the MLP's hidden units from the replicated residual stream;
+  - o_proj and down_proj are row-parallel (split dim 1, the input features): each device multiplies its heads' (or
+    hidden units') slice, and one all-reduce sums the partial outputs back into the replicated residual stream.
+Embeddings and lm_head are split on the vocabulary (dim 0), not on hidden: both are the largest single tensors, a
+vocab split keeps 1/N of them per device (the tied case shares the one table), the embedding lookup costs one
+all-reduce of f[T, hidden], and logits come out split over the vocabulary, to be gathered only for the rows the
+sampler reads (f[S, vocab], S sequences, not T tokens). A hidden split would instead all-gather the residual
+stream after every lookup and need a reduction inside the logits. Norm weights are tiny and replicated.
+
+The KV pool f[kv_heads, num_pages, page_size, head_dim] is split over KV heads, so each device owns whole KV heads
+and the query heads that read them, and attention needs no communication at all. When a model has fewer KV heads
+than devices, each KV head is repeated at load time (rows of k_proj/v_proj), so the model runs with N KV heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.errors import ConfigError
+from jaxserve.model.config import LlamaConfig
+from jaxserve.parallel.mesh import TP_AXIS, make_tp_mesh
+
+COLUMN_PARALLEL = P(TP_AXIS, None)  # f[out, in] split over out
+ROW_PARALLEL = P(None, TP_AXIS)  # f[out, in] split over in
+SPLIT_VECTOR = P(TP_AXIS)  # the bias of a column-parallel projection
+REPLICATED = P()
+
+# HF tensor name pattern -> partition; the first match wins, and every parameter must match one.
+PARAM_RULES: tuple[tuple[str, P], ...] = (
+    (r"\.self_attn\.[qkv]_proj\.weight$", COLUMN_PARALLEL),
+    (r"\.self_attn\.[qkv]_proj\.bias$", SPLIT_VECTOR),
+    (r"\.self_attn\.o_proj\.weight$", ROW_PARALLEL),
+    (r"\.mlp\.(gate|up)_proj\.weight$", COLUMN_PARALLEL),
+    (r"\.mlp\.(gate|up)_proj\.bias$", SPLIT_VECTOR),
+    (r"\.mlp\.down_proj\.weight$", ROW_PARALLEL),
+    # A row-parallel projection's bias is added once, after the all-reduce.
+    (r"\.(o_proj|down_proj)\.bias$", REPLICATED),
+    (r"^model\.embed_tokens\.weight$", COLUMN_PARALLEL),  # f[vocab, hidden] split over the vocabulary
+    (r"^lm_head\.weight$", COLUMN_PARALLEL),  # f[vocab, hidden] split over the vocabulary
+    (r"norm\.weight$", REPLICATED),
+)
+# f[kv_heads, num_pages, page_size, head_dim]: whole KV heads per device.
+KV_POOL_SPEC = P(TP_AXIS, None, None, None)
+# Rows of k_proj/v_proj (weights and biases): one block of head_dim rows per KV head.
+_KV_PROJECTION = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
+
+
+def param_partition_spec(name: str) -> P:
+    """The rule's partition for tensor `name`; raises ValueError for a name no rule covers."""
+    for pattern, spec in PARAM_RULES:
+        if re.search(pattern, name):
+            return spec
+    raise ValueError(f"no sharding rule covers parameter {name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelLayout:
+    """How one model is laid out over the devices of a tensor-parallel mesh."""
+
+    mesh: Mesh  # 1-D mesh over TP_AXIS
+    checkpoint_config: LlamaConfig  # the model as its checkpoint stores it
+    model_config: LlamaConfig  # the model as it runs: num_key_value_heads raised to the mesh size when below it
+
+    @property
+    def size(self) -> int:
+        """Devices on the tensor-parallel axis."""
+        return self.mesh.shape[TP_AXIS]
+
+    @property
+    def kv_head_copies(self) -> int:
+        """Times each stored KV head is repeated (1 unless the model has fewer KV heads than devices)."""
+        return self.model_config.num_key_value_heads // self.checkpoint_config.num_key_value_heads
+
+    def param_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
+        """The rule's sharding for tensor `name` of `shape` (as the model runs it).
+
+        A dimension the mesh does not divide (an odd vocabulary, say) is left whole, since JAX shards evenly only.
+        """
+        spec = param_partition_spec(name)
+        spec = P(*(axis if axis is None or shape[dim] % self.size == 0 else None for dim, axis in enumerate(spec)))
+        return NamedSharding(self.mesh, spec)
+
+    def pool_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, KV_POOL_SPEC)
+
+    def stored_rows(self, name: str) -> np.ndarray | None:
+        """i64[rows of the model's tensor]: the stored row each row of tensor `name` copies; None where they agree.
+
+        Copy c of stored KV head h becomes KV head h * copies + c, so query head q, which read KV head
+        q // group with group = heads / kv_heads, now reads head q // (group / copies), one of h's copies: the
+        attention each query computes is unchanged.
+        """
+        if self.kv_head_copies == 1 or not _KV_PROJECTION.search(name):
+            return None
+        head_dim = self.checkpoint_config.head_dim
+        heads = np.repeat(np.arange(self.checkpoint_config.num_key_value_heads), self.kv_head_copies)  # i64[N]
+        return (heads[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
+
+
+def plan_tensor_parallel(cfg: LlamaConfig, tensor_parallel_size: int,
+                         devices: list[jax.Device] | None = None) -> TensorParallelLayout:
+    """The layout of `cfg` over `tensor_parallel_size` devices; ConfigError when the model cannot be split so."""
+    mesh = make_tp_mesh(tensor_parallel_size, devices)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size {tensor_parallel_size} must divide the model's "
+                          f"{heads} attention heads")
+    if kv_heads % tensor_parallel_size and tensor_parallel_size % kv_heads:
+        raise ConfigError(f"the model's {kv_heads} KV heads cannot be split evenly over {tensor_parallel_size} "
+                          f"devices: one must divide the other")
+    model_config = dataclasses.replace(cfg, num_key_value_heads=max(kv_heads, tensor_parallel_size))
+    return TensorParallelLayout(mesh=mesh, checkpoint_config=cfg, model_config=model_config)

@@ -88,6 +88,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "pallas (the Pallas kernel) or xla")
     parser.add_argument("--pallas-interpret", action=argparse.BooleanOptionalAction, default=None,
                         help="run the Pallas kernel through Pallas' interpreter (slow; on any device, CPU included)")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        help="split weights and KV cache over this many devices (default 1); must divide the "
+                        "number of attention heads")
     parser.add_argument("--seed", type=int)
 
 

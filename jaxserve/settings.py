@@ -31,6 +31,7 @@ class EngineSettings:
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     attention_backend: str = "auto"  # paged attention: auto (pallas on a GPU, else xla), pallas or xla
     pallas_interpret: bool = False  # run the Pallas kernel through Pallas' interpreter: slow, but on any device
+    tensor_parallel_size: int = 1  # devices the weights, KV heads and pool are split over (one mesh axis)
     seed: int = 0  # seeds the draws of requests that bring no seed of their own
 
     def llm_kwargs(self) -> dict[str, Any]:

@@ -26,6 +26,18 @@ def test_bytes_per_page_counts_k_and_v_of_every_layer(builtin):
     assert bytes_per_page(cfg, 16, jnp.bfloat16) == 2 * 2 * 2 * 16 * 16 * 2
 
 
+def test_under_tensor_parallelism_a_page_costs_each_device_its_share_of_kv_heads(builtin):
+    cfg = builtin.config
+    one_device = bytes_per_page(cfg, 16, jnp.bfloat16)
+    assert bytes_per_page(cfg, 16, jnp.bfloat16, tensor_parallel_size=2) == one_device // 2
+    # Per-device memory buys twice the pages when each device holds half of every page.
+    per_page = one_device // 2
+    stats = {"bytes_limit": 1000 * per_page, "bytes_in_use": 100 * per_page}
+    pages = resolve_num_pages(cfg, jnp.bfloat16, **SIZES, num_kv_pages=None, kv_cache_memory_gb=None,
+                              gpu_memory_utilization=0.5, memory_stats=stats, tensor_parallel_size=2)
+    assert pages == 400 + 1
+
+
 def test_explicit_pages_then_gib_then_cpu_default(builtin):
     per_page = bytes_per_page(builtin.config, 16, jnp.float32)
     assert _pages(builtin, num_kv_pages=77) == 77

@@ -1,4 +1,8 @@
-"""How many KV pages the pool gets: explicit, from a memory budget, or from the device's free memory."""
+"""How many KV pages the pool gets: explicit, from a memory budget, or from the device's free memory.
+
+Under tensor parallelism everything is counted per device: a page's bytes on one device (its share of the KV heads),
+the device's own weight shards (what its allocator reports in use) and the per-device workspace of the largest step.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,12 @@ from jaxserve.errors import ConfigError
 from jaxserve.model.config import LlamaConfig
 
 
-def bytes_per_page(model: LlamaConfig, page_size: int, dtype) -> int:
-    """K and V of one page across all layers."""
+def bytes_per_page(model: LlamaConfig, page_size: int, dtype, tensor_parallel_size: int = 1) -> int:
+    """K and V of one page across all layers, on one device: the pool is split over KV heads, `model`'s KV heads
+    (already repeated up to the tensor-parallel size when fewer) divided evenly over the devices."""
     itemsize = jax.numpy.dtype(dtype).itemsize
-    return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * page_size * itemsize
+    kv_heads_per_device = model.num_key_value_heads // tensor_parallel_size
+    return 2 * model.num_hidden_layers * kv_heads_per_device * model.head_dim * page_size * itemsize
 
 
 def device_memory_stats() -> dict | None:
@@ -22,14 +28,15 @@ def device_memory_stats() -> dict | None:
 
 def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs: int, max_model_len: int,
                       num_kv_pages: int | None, kv_cache_memory_gb: float | None, gpu_memory_utilization: float,
-                      memory_stats: dict | None, workspace_bytes: int = 0) -> int:
+                      memory_stats: dict | None, workspace_bytes: int = 0, tensor_parallel_size: int = 1) -> int:
     """Pages in the pool, the null page included.
 
-    Explicit `num_kv_pages` wins; then `kv_cache_memory_gb`; then, on a device that reports memory, the share
-    `gpu_memory_utilization` of its memory minus what is already in use (the weights) and minus the activation
-    workspace of the largest compiled step; elsewhere (the CPU) enough pages for max_num_seqs full sequences.
+    Explicit `num_kv_pages` wins; then `kv_cache_memory_gb` (per device); then, on a device that reports memory,
+    the share `gpu_memory_utilization` of its memory minus what is already in use (its weight shards) and minus the
+    activation workspace of the largest compiled step; elsewhere (the CPU) enough pages for max_num_seqs full
+    sequences. Every device holds the same share of every page, so one device's budget sizes the whole pool.
     """
-    per_page = bytes_per_page(model, page_size, dtype)
+    per_page = bytes_per_page(model, page_size, dtype, tensor_parallel_size)
     if num_kv_pages is not None:
         pages = num_kv_pages
     elif kv_cache_memory_gb is not None:

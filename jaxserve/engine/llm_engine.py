@@ -85,7 +85,7 @@ class LLMEngine:
             static_batching=config.static_batching,
         ))
         self.runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype,
-                                  _runner_config(config, num_pages))
+                                  _runner_config(config, num_pages), model.mesh)
         self.runner.warm_up(progress)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
@@ -298,8 +298,9 @@ def _pool_pages(model, config: EngineConfig) -> int:
     workspace = 0
     if stats is not None:
         workspace = largest_step_workspace_bytes(model.config, model.graphdef, model.params, model.dtype,
-                                                 _runner_config(config, num_pages=2))
+                                                 _runner_config(config, num_pages=2), model.mesh)
     return resolve_num_pages(model.config, model.dtype, page_size=config.page_size,
+                             tensor_parallel_size=model.mesh.size if model.mesh is not None else 1,
                              max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
                              gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,

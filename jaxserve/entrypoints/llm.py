@@ -40,11 +40,12 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, async_scheduling: bool = True,
                  max_tokens_policy: str = "cap", attention_backend: str = "auto", pallas_interpret: bool = False,
-                 seed: int = 0, reference_decoder: bool = False, use_tqdm_on_load: bool = True):
+                 tensor_parallel_size: int = 1, seed: int = 0, reference_decoder: bool = False,
+                 use_tqdm_on_load: bool = True):
         # Before loading: a mistyped backend must not wait for the weights.
         resolved_backend = resolve_attention_backend(attention_backend, pallas_interpret, jax.default_backend())
         self.model: LoadedModel = load_model(Path(model) if model is not None else None, dtype=dtype,
-                                             progress=use_tqdm_on_load)
+                                             progress=use_tqdm_on_load, tensor_parallel_size=tensor_parallel_size)
         self.tokenizer: Tokenizer = load_tokenizer(Path(tokenizer) if tokenizer is not None else self.model.model_dir)
         self.max_model_len = _resolve_max_model_len(max_model_len, self.model.config.max_position_embeddings)
         if max_num_seqs < 1:

@@ -13,16 +13,23 @@ output.
 Attention sits behind `PagedAttentionFn`; the cache's static `attention_backend` names which implementation runs,
 so swapping in a kernel is a change of one string that jit sees as part of the cache's tree structure. Users pick
 auto, pallas or xla plus an interpret switch; `resolve_attention_backend` turns that into one of those names.
+
+With tensor parallelism the pool is split over KV heads (its `pool_sharding`), and the KV write and attention run
+inside `jax.shard_map` over that axis: each device writes and reads only its own KV heads, with the query heads
+that read them, so attention (XLA or Pallas kernel alike) needs no communication and the pool is never resharded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.errors import ConfigError
 from kernels_pallas import default_prefill_tuning, paged_prefill_attention
@@ -242,6 +249,9 @@ class PagedKVCache:
     metadata: PagedAttentionMetadata | None = None  # this step's batch layout; None outside the step
     # Which ATTENTION_BACKENDS entry attends. Static: part of the tree structure, so jit keys its cache on it.
     attention_backend: str = dataclasses.field(default=XLA_BACKEND, metadata=dict(static=True))
+    # How every pool array is split over a mesh, its first (KV-head) axis named in the spec; the KV write and
+    # attention then run per device under shard_map. None: one device, no shard_map. Static, like the backend.
+    pool_sharding: NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -250,13 +260,15 @@ class PagedKVCache:
 
     @classmethod
     def zeros(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,
-              attention_backend: str = XLA_BACKEND) -> PagedKVCache:
-        """A zero-filled pool (zeros, not jnp.empty: the null page must be zero and stale memory must not leak)."""
+              attention_backend: str = XLA_BACKEND, pool_sharding: NamedSharding | None = None) -> PagedKVCache:
+        """A zero-filled pool (zeros, not jnp.empty: the null page must be zero and stale memory must not leak),
+        created in place on each device when `pool_sharding` is given."""
         shape = (kv_heads, num_pages, page_size, head_dim)
         return cls(
-            k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            k_pages=tuple(jnp.zeros(shape, dtype, device=pool_sharding) for _ in range(num_layers)),
+            v_pages=tuple(jnp.zeros(shape, dtype, device=pool_sharding) for _ in range(num_layers)),
             attention_backend=attention_backend,
+            pool_sharding=pool_sharding,
         )
 
     @property
@@ -290,17 +302,49 @@ class PagedKVCache:
             raise ValueError("PagedKVCache has no metadata: attach the step's batch layout with with_metadata()")
         if q.shape[0] != 1:
             raise ValueError(f"the paged cache takes one flattened batch (batch dim 1), got batch {q.shape[0]}")
-        slots = self.metadata.slot_mapping
-        new_k = write_slots(self.k_pages[layer], k[0], slots)
-        new_v = write_slots(self.v_pages[layer], v[0], slots)
-        attend = ATTENTION_BACKENDS[self.attention_backend]
-        out = attend(q[0], new_k, new_v, self.metadata, positions[0], scale)
+        write_and_attend = functools.partial(_write_and_attend, ATTENTION_BACKENDS[self.attention_backend], scale)
+        if self.pool_sharding is not None:
+            write_and_attend = _per_head_shard(write_and_attend, self.pool_sharding)
+        out, new_k, new_v = write_and_attend(q[0], k[0], v[0], self.k_pages[layer], self.v_pages[layer],
+                                             self.metadata, positions[0])
         cache = dataclasses.replace(
             self,
             k_pages=tuple(new_k if i == layer else pages for i, pages in enumerate(self.k_pages)),
             v_pages=tuple(new_v if i == layer else pages for i, pages in enumerate(self.v_pages)),
         )
         return out[None], cache
+
+
+def _write_and_attend(
+    attend: PagedAttentionFn,
+    scale: float,
+    q: jax.Array,  # f[T, heads, head_dim], already rotated
+    k: jax.Array,  # f[T, kv_heads, head_dim], already rotated
+    v: jax.Array,  # f[T, kv_heads, head_dim]
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    metadata: PagedAttentionMetadata,
+    positions: jax.Array,  # i32[T]
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # f[T, heads, head_dim], the updated k_pages and v_pages
+    new_k = write_slots(k_pages, k, metadata.slot_mapping)
+    new_v = write_slots(v_pages, v, metadata.slot_mapping)
+    return attend(q, new_k, new_v, metadata, positions, scale), new_k, new_v
+
+
+def _per_head_shard(write_and_attend, pool_sharding: NamedSharding):
+    """`write_and_attend` run on each device over its own heads: q/k/v split on their head axis, the pool on its
+    KV-head axis, the batch layout (metadata, positions) whole on every device.
+
+    Query head q reads KV head q // group, so device d's contiguous block of query heads reads exactly its block of
+    KV heads, and each device's attention is the whole computation for its heads.
+    """
+    head_axis = pool_sharding.spec[0]
+    by_head = P(None, head_axis, None)  # f[T, heads, head_dim]
+    return jax.shard_map(write_and_attend, mesh=pool_sharding.mesh,
+                         in_specs=(by_head, by_head, by_head, pool_sharding.spec, pool_sharding.spec, P(), P()),
+                         out_specs=(by_head, pool_sharding.spec, pool_sharding.spec),
+                         # Pallas calls carry no varying-axis annotations for shard_map to check.
+                         check_vma=False)
 
 
 def write_slots(

@@ -20,11 +20,16 @@ def make_tp_mesh(tensor_parallel_size: int, devices: list[jax.Device] | None = N
 
     Raises ConfigError when the size is not positive or more devices are asked for than exist.
     """
+    check_positive_size(tensor_parallel_size)
     devices = list(devices if devices is not None else jax.devices())
-    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
-        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
     if tensor_parallel_size > len(devices):
         raise ConfigError(f"tensor_parallel_size {tensor_parallel_size} needs that many devices, but JAX sees "
                           f"{len(devices)} ({devices[0].platform})")
     return jax.make_mesh((tensor_parallel_size,), (TP_AXIS,), axis_types=(AxisType.Auto,),
                          devices=devices[:tensor_parallel_size])
+
+
+def check_positive_size(tensor_parallel_size: int) -> None:
+    """Raise ConfigError unless the size is a positive integer."""
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")

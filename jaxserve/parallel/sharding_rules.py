@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.errors import ConfigError
 from jaxserve.model.config import LlamaConfig
-from jaxserve.parallel.mesh import TP_AXIS, make_tp_mesh
+from jaxserve.parallel.mesh import TP_AXIS, check_positive_size, make_tp_mesh
 
 COLUMN_PARALLEL = P(TP_AXIS, None)  # f[out, in] split over out
 ROW_PARALLEL = P(None, TP_AXIS)  # f[out, in] split over in
@@ -53,6 +53,11 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
 KV_POOL_SPEC = P(TP_AXIS, None, None, None)
 # Rows of k_proj/v_proj (weights and biases): one block of head_dim rows per KV head.
 _KV_PROJECTION = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
+
+
+def logits_partition_spec(vocab_size: int, mesh: Mesh) -> P:
+    """f32[rows, vocab] as the vocabulary-split lm_head computes them (whole when the mesh does not divide it)."""
+    return P(None, TP_AXIS) if vocab_size % mesh.shape[TP_AXIS] == 0 else P()
 
 
 def param_partition_spec(name: str) -> P:
@@ -109,8 +114,9 @@ class TensorParallelLayout:
 
 def plan_tensor_parallel(cfg: LlamaConfig, tensor_parallel_size: int,
                          devices: list[jax.Device] | None = None) -> TensorParallelLayout:
-    """The layout of `cfg` over `tensor_parallel_size` devices; ConfigError when the model cannot be split so."""
-    mesh = make_tp_mesh(tensor_parallel_size, devices)
+    """The layout of `cfg` over `tensor_parallel_size` devices; ConfigError when the model cannot be split so (checked
+    before the device count, so a wrong size is reported the same on any machine)."""
+    check_positive_size(tensor_parallel_size)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % tensor_parallel_size:
         raise ConfigError(f"tensor_parallel_size {tensor_parallel_size} must divide the model's "
@@ -119,4 +125,4 @@ def plan_tensor_parallel(cfg: LlamaConfig, tensor_parallel_size: int,
         raise ConfigError(f"the model's {kv_heads} KV heads cannot be split evenly over {tensor_parallel_size} "
                           f"devices: one must divide the other")
     model_config = dataclasses.replace(cfg, num_key_value_heads=max(kv_heads, tensor_parallel_size))
-    return TensorParallelLayout(mesh=mesh, checkpoint_config=cfg, model_config=model_config)
+    return TensorParallelLayout(mesh=make_tp_mesh(tensor_parallel_size, devices), checkpoint_config=cfg, model_config=model_config)

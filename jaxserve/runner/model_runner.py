@@ -25,16 +25,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.paged_kv_cache import XLA_BACKEND, PagedKVCache
+from jaxserve.parallel import KV_POOL_SPEC, logits_partition_spec, make_tp_mesh
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
 from jaxserve.runner.sampler import (SamplerOutput, SamplingRow, build_sampling_tensors, uses_penalties,
                                      uses_truncation)
-from jaxserve.runner.step import StepArrays, StepResult, run_step
+from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_step
 
 PENDING_TOKEN = -1  # a token id the previous step sampled on the device and the host has not seen yet
 
@@ -129,21 +132,35 @@ class PendingStep:
 
 
 class ModelRunner:
-    """Owns the weights, the KV pool and the compiled step programs."""
+    """Owns the weights, the KV pool and the compiled step programs.
+
+    Under tensor parallelism (`mesh` with more than one device) the weights arrive sharded by the rules, the pool is
+    split over KV heads, and every step input and output other than the pool is replicated: each program's
+    in/out shardings match what the next step passes in, so nothing is resharded between steps and nothing
+    recompiles.
+    """
 
     def __init__(self, model_config: LlamaConfig, graphdef: nnx.GraphDef, params: nnx.State, dtype,
-                 config: RunnerConfig):
+                 config: RunnerConfig, mesh: Mesh | None = None):
         self.config = config
         self.model_config = model_config
         self.params = params
+        self.mesh = mesh if mesh is not None else make_tp_mesh(1)  # the weights' tensor-parallel mesh
+        self._replicated = NamedSharding(self.mesh, P())
+        self._pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
         self.buckets = BucketSet.for_limits(config.max_num_batched_tokens, config.max_num_seqs)
         self.guard = CompileGuard(raise_on_compile=config.raise_on_compile)
         self._history_width = 1 << (config.max_model_len - 1).bit_length()
         self.pool = self._fresh_pool(dtype)
-        self._last_tokens = jnp.zeros(self.buckets.seq_sizes[-1], jnp.int32)  # i32[max_rows]
+        self._last_tokens = jax.device_put(np.zeros(self.buckets.seq_sizes[-1], np.int32),
+                                           self._replicated)  # i32[max_rows]
         self._last_rows: dict[str, int] = {}  # request id -> its row in the previous step's samples
-        self._jitted = jax.jit(functools.partial(run_step, graphdef), static_argnames="num_top_logprobs",
-                               donate_argnames="pool")
+        logits_shardings = LogitsShardings(
+            computed=NamedSharding(self.mesh, logits_partition_spec(model_config.vocab_size, self.mesh)),
+            sampled=self._replicated)
+        self._jitted = jax.jit(functools.partial(run_step, graphdef, logits_shardings=logits_shardings),
+                               static_argnames="num_top_logprobs", donate_argnames="pool",
+                               out_shardings=(self._replicated, self._pool_sharding))
         self._programs: dict[StepBucket, jax.stages.Compiled] = {}
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
 
@@ -163,7 +180,8 @@ class ModelRunner:
         self.guard.arm()
 
     def _lower(self, bucket: StepBucket) -> jax.stages.Lowered:
-        arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._padding_arrays(bucket))
+        arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
+                              self._padding_arrays(bucket))
         return self._jitted.lower(self.params, self.pool, self._last_tokens, arrays,
                                   num_top_logprobs=self.config.max_logprobs)
 
@@ -198,13 +216,13 @@ class ModelRunner:
     def _fresh_pool(self, dtype) -> PagedKVCache:
         return PagedKVCache.zeros(self.model_config.num_hidden_layers, self.config.num_pages, self.config.page_size,
                                   self.model_config.num_key_value_heads, self.model_config.head_dim, dtype,
-                                  attention_backend=self.config.attention_backend)
+                                  attention_backend=self.config.attention_backend, pool_sharding=self._pool_sharding)
 
     def _execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> PendingStep:
         # Host spans in profiler traces; the device side carries the step's own named scopes.
         with jax.profiler.TraceAnnotation("prepare"):
             bucket, host_arrays = self.prepare(chunks, rows)
-            arrays = jax.device_put(host_arrays)
+            arrays = jax.device_put(host_arrays, self._replicated)
         with jax.profiler.TraceAnnotation("step"):
             result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, arrays)
         self.bucket_counts[bucket] += 1
@@ -280,13 +298,14 @@ def _span_scores(scores: SamplerOutput, span: _PromptSpan) -> PromptScores:
 
 
 def largest_step_workspace_bytes(model_config: LlamaConfig, graphdef: nnx.GraphDef, params: nnx.State, dtype,
-                                 config: RunnerConfig) -> int:
-    """Temporary device memory of the largest step (all tokens, all rows, full sampler), from XLA's own analysis.
+                                 config: RunnerConfig, mesh: Mesh | None = None) -> int:
+    """Temporary memory of the largest step (all tokens, all rows, full sampler) on one device, from XLA's analysis
+    of the (per-device, under tensor parallelism) program.
 
     Compiled once against a small pool (the workspace does not grow with the pool), so the real pool can be sized
     to what is left before any of it is allocated.
     """
-    runner = ModelRunner(model_config, graphdef, params, dtype, config)
+    runner = ModelRunner(model_config, graphdef, params, dtype, config, mesh)
     largest = runner.buckets.select(config.max_num_batched_tokens, config.max_num_seqs, penalties=True,
                                     truncation=True)
     analysis = runner._lower(largest).compile().memory_analysis()

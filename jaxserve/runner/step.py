@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, PagedKVCache
@@ -35,6 +36,15 @@ class StepArrays:
     prompt_targets: jax.Array | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class LogitsShardings:
+    """Where logits live under tensor parallelism: computed split over the vocabulary (as lm_head's rows are, so
+    the weight is never gathered), then gathered whole for the sampler, only for the rows it reads."""
+
+    computed: NamedSharding  # f32[rows, vocab] split over the vocabulary
+    sampled: NamedSharding  # f32[rows, vocab] replicated
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepResult:
@@ -52,6 +62,7 @@ def run_step(
     previous_tokens: jax.Array,  # i32[max_rows]: the previous step's last_tokens
     arrays: StepArrays,
     num_top_logprobs: int,  # static
+    logits_shardings: LogitsShardings | None = None,  # None: one device, logits as computed
 ) -> tuple[StepResult, PagedKVCache]:
     model = nnx.merge(graphdef, params)
     tokens = jnp.where(arrays.pending_rows >= 0, previous_tokens[jnp.maximum(arrays.pending_rows, 0)],
@@ -59,14 +70,16 @@ def run_step(
     with jax.named_scope("layers"):
         hidden, pool = model(tokens[None], arrays.positions[None], pool.with_metadata(arrays.metadata))
     with jax.named_scope("logits"):
-        logits = model.logits(hidden[0, arrays.sample_index])  # f32[S, vocab]
+        # Split over the vocabulary under tensor parallelism; gathered here, for the S sampled rows only.
+        logits = _gathered_logits(model, hidden[0, arrays.sample_index], logits_shardings)  # f32[S, vocab]
     with jax.named_scope("sample"):
         sampled = sample(logits, arrays.sampling, num_top_logprobs)
     last_tokens = jnp.zeros_like(previous_tokens).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
     prompt_scores = None
     if arrays.prompt_targets is not None:
         with jax.named_scope("prompt_scores"):
-            prompt_scores = score_next_tokens(model, hidden[0], arrays.prompt_targets, num_top_logprobs)
+            prompt_scores = score_next_tokens(model, hidden[0], arrays.prompt_targets, num_top_logprobs,
+                                              logits_shardings)
     return StepResult(sampled=sampled, last_tokens=last_tokens, prompt_scores=prompt_scores), pool.without_metadata()
 
 
@@ -75,6 +88,7 @@ def score_next_tokens(
     hidden: jax.Array,  # f[T, hidden]: final hidden states of every token of the step
     targets: jax.Array,  # i32[T]: the token to score after each one
     num_top: int,  # static: K
+    logits_shardings: LogitsShardings | None = None,  # None: one device, logits as computed
 ) -> SamplerOutput:  # T rows: each target's raw log-probability and rank, and the top K
     """Raw log-probabilities of every token's successor, tile by tile so that no f32[T, vocab] is ever whole."""
     tile = min(hidden.shape[0], PROMPT_SCORE_TILE)  # T and the tile are powers of two: tiles cover T exactly
@@ -82,8 +96,21 @@ def score_next_tokens(
 
     def score_tile(tile_inputs: tuple[jax.Array, jax.Array]) -> SamplerOutput:
         rows, ids = tile_inputs  # f[tile, hidden], i32[tile]
-        logprobs = jax.nn.log_softmax(model.logits(rows), axis=-1)  # f32[tile, vocab]
+        logprobs = jax.nn.log_softmax(_gathered_logits(model, rows, logits_shardings), axis=-1)  # f32[tile, vocab]
         return describe_tokens(logprobs, ids, num_top)
 
     scored = jax.lax.map(score_tile, tiles)  # leaves [T/tile, tile, ...]
     return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), scored)
+
+
+def _gathered_logits(
+    model: LlamaForCausalLM,
+    hidden: jax.Array,  # f[rows, hidden]
+    shardings: LogitsShardings | None,
+) -> jax.Array:  # f32[rows, vocab], whole on every device
+    logits = model.logits(hidden)
+    if shardings is None:
+        return logits
+    # Without the first constraint XLA may gather the f[vocab, hidden] weight instead, every step.
+    logits = jax.lax.with_sharding_constraint(logits, shardings.computed)
+    return jax.lax.with_sharding_constraint(logits, shardings.sampled)

@@ -1,0 +1,116 @@
+"""Tensor-parallel checks on 8 simulated CPU devices, printed as one JSON object on stdout's last line.
+
+Run by tests/test_tensor_parallel.py in a subprocess, because XLA_FLAGS must give 8 host devices before JAX starts
+(and the rest of the suite runs on one). Usage: python tests/tensor_parallel_probe.py WORK_DIR
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+
+import collections  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from jaxserve import LLM  # noqa: E402
+from jaxserve.checkpoint import BUILTIN_MODEL_DIR, convert_hf_to_orbax, load_model  # noqa: E402
+from jaxserve.checkpoint.param_tree import flat_arrays  # noqa: E402
+from jaxserve.parallel import TP_AXIS, param_partition_spec, plan_tensor_parallel  # noqa: E402
+from tests.hf_models import write_tiny_checkpoint  # noqa: E402
+from tests.test_engine import _workload  # noqa: E402
+
+TP_SIZES = (1, 2, 4, 8)
+# 8 query heads so every size divides them; 2 KV heads so sizes 4 and 8 repeat KV heads at load time.
+MODEL = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+# Small buckets (9 programs) keep four engines' start-up compiles within the test's budget.
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, block_size=8,
+              num_kv_pages=24, use_tqdm_on_load=False)
+
+
+def engine_report(model_dir: Path, tp: int) -> dict:
+    llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp, **ENGINE)
+    prompts, params = _workload(seed=5, count=6)
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    runner = llm.engine.runner
+    arrays = flat_arrays(llm.model.params)
+    greedy_program = runner._programs[runner.buckets.select(16, 2, penalties=False, truncation=False)]
+    return dict(
+        tokens=tokens,
+        compiles_after_warmup=llm.engine.compiles_after_warmup,
+        kv_heads=llm.model.config.num_key_value_heads,
+        wrong_shardings=[name for name, array in arrays.items() if not _sharded_as_ruled(name, array, tp)],
+        device_bytes=sorted({_device_bytes(arrays, device) for device in runner.mesh.devices.flat}),
+        expected_device_bytes=sum(_expected_share(name, array, tp) for name, array in arrays.items()),
+        pool_shard_shape=list(runner.pool.k_pages[0].addressable_shards[0].data.shape),
+        collectives=_collectives(greedy_program.as_text()),
+        all_gather_shapes=_all_gather_shapes(greedy_program.as_text()),
+        num_layers=llm.model.config.num_hidden_layers,
+    )
+
+
+def _sharded_as_ruled(name: str, array, tp: int) -> bool:
+    return array.sharding.mesh.shape[TP_AXIS] == tp and tuple(array.sharding.spec) == tuple(param_partition_spec(name))
+
+
+def _device_bytes(arrays: dict, device) -> int:
+    return sum(shard.data.nbytes for array in arrays.values() for shard in array.addressable_shards
+               if shard.device == device)
+
+
+def _expected_share(name: str, array, tp: int) -> int:
+    """The rule's share of one tensor on one device: 1/tp of a split tensor, all of a replicated one."""
+    split = any(axis is not None for axis in param_partition_spec(name))
+    return array.nbytes // tp if split else array.nbytes
+
+
+_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def _collectives(hlo: str) -> dict[str, int]:
+    """Collective op -> how many the compiled (partitioned) program runs."""
+    return dict(collections.Counter(match.group(2) for match in _COLLECTIVE.finditer(hlo)))
+
+
+def _all_gather_shapes(hlo: str) -> list[str]:
+    """Result types of the program's all-gathers, e.g. "f32[1,512]{0,1}"."""
+    return [match.group(1) for match in _COLLECTIVE.finditer(hlo) if match.group(2) == "all-gather"]
+
+
+def orbax_matches_safetensors(model_dir: Path, orbax_model_dir: Path, tp: int) -> bool:
+    """Both formats give the same sharded arrays (KV heads repeated as well)."""
+    convert_hf_to_orbax(model_dir, orbax_model_dir, progress=False)
+    from_safetensors = flat_arrays(load_model(model_dir, "float32", False, tensor_parallel_size=tp).params)
+    from_orbax = flat_arrays(load_model(orbax_model_dir, "float32", False, tensor_parallel_size=tp).params)
+    return all(from_orbax[name].sharding == array.sharding and np.array_equal(from_orbax[name], array)
+               for name, array in from_safetensors.items())
+
+
+def builtin_matches_single_device(tp: int) -> bool:
+    """The built-in model drawn sharded equals the one-device draw, KV rows repeated as the layout says."""
+    single = load_model(None, "float32", False)
+    split = load_model(None, "float32", False, tensor_parallel_size=tp)
+    layout = plan_tensor_parallel(single.config, tp)
+    single_arrays, split_arrays = flat_arrays(single.params), flat_arrays(split.params)
+    for name, array in split_arrays.items():
+        rows = layout.stored_rows(name)
+        expected = np.asarray(single_arrays[name])
+        if not np.array_equal(np.asarray(array), expected if rows is None else expected[rows]):
+            return False
+    return True
+
+
+def main(work_dir: Path) -> None:
+    model_dir = work_dir / "hf"
+    write_tiny_checkpoint(model_dir, **MODEL)
+    report = {"engines": {tp: engine_report(model_dir, tp) for tp in TP_SIZES},
+              "orbax_matches_safetensors": orbax_matches_safetensors(model_dir, work_dir / "orbax", tp=4),
+              "builtin_matches_single_device": builtin_matches_single_device(tp=4)}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,96 @@
+"""Tensor parallelism on 8 simulated CPU devices: TP 1, 2, 4 and 8 agree token for token, weights are sharded as
+the rules say, each device holds its share of the bytes, and the collectives are Megatron's.
+
+The checks run in one subprocess (tests/tensor_parallel_probe.py), since the device count must be set before JAX
+starts. The engines use the XLA attention backend (the CPU's default); under tensor parallelism it runs inside
+shard_map exactly as the Pallas kernel does.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ROOT / "tests" / "tensor_parallel_probe.py"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    work = tmp_path_factory.mktemp("tensor_parallel")
+    done = subprocess.run([sys.executable, str(PROBE), str(work)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {int(tp): engine for tp, engine in result.pop("engines").items()} | result
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_tensor_parallel_size_gives_the_single_device_greedy_tokens(report):
+    reference = report[1]["tokens"]
+    assert all(len(tokens) > 0 for tokens in reference)
+    for tp in (2, 4, 8):
+        assert report[tp]["tokens"] == reference, f"TP={tp}"
+
+
+def test_fewer_kv_heads_than_devices_are_repeated_at_load_time(report):
+    # The model stores 2 KV heads: TP 4 and 8 run with one (repeated) KV head per device.
+    assert [report[tp]["kv_heads"] for tp in (1, 2, 4, 8)] == [2, 2, 4, 8]
+    assert [report[tp]["pool_shard_shape"][0] for tp in (1, 2, 4, 8)] == [2, 1, 1, 1]
+
+
+def test_each_weight_is_sharded_as_the_rules_say(report):
+    for tp in (1, 2, 4, 8):
+        assert report[tp]["wrong_shardings"] == [], f"TP={tp}"
+
+
+def test_each_device_holds_its_share_of_the_weights(report):
+    # Every device holds 1/N of each split tensor plus the whole of each replicated one (the norms), the same bytes.
+    for tp in (1, 2, 4, 8):
+        assert report[tp]["device_bytes"] == [report[tp]["expected_device_bytes"]], f"TP={tp}"
+
+
+def test_no_compile_after_warm_up(report):
+    for tp in (1, 2, 4, 8):
+        assert report[tp]["compiles_after_warmup"] == 0, f"TP={tp}"
+
+
+def test_collectives_are_two_all_reduces_per_layer_and_one_logits_gather(report):
+    assert report[1]["collectives"] == {}
+    for tp in (2, 4, 8):
+        engine = report[tp]
+        # Two per layer (after o_proj and down_proj) plus one for the vocabulary-split embedding lookup.
+        assert engine["collectives"] == {"all-reduce": 2 * engine["num_layers"] + 1, "all-gather": 1}, f"TP={tp}"
+        # The sampled rows' logits f32[S, vocab], never the f[vocab, hidden] weight.
+        assert [shape.split("{")[0] for shape in engine["all_gather_shapes"]] == ["f32[2,512]"], f"TP={tp}"
+
+
+def test_orbax_restore_places_the_same_shards_as_safetensors(report):
+    assert report["orbax_matches_safetensors"]
+
+
+def test_builtin_model_drawn_sharded_equals_the_single_device_draw(report):
+    assert report["builtin_matches_single_device"]
+
+
+def test_sizes_the_model_or_the_machine_cannot_take_are_config_errors():
+    from jaxserve.model.config import LlamaConfig
+    from jaxserve.parallel import plan_tensor_parallel
+    from tests.hf_models import tiny_hf_config
+
+    cfg = LlamaConfig.from_hf_dict(tiny_hf_config())  # 4 query heads, 2 KV heads; this process sees one device
+    with pytest.raises(ConfigError, match="needs that many devices"):
+        plan_tensor_parallel(cfg, 2)
+    with pytest.raises(ConfigError, match="divide the model's 4 attention heads"):
+        plan_tensor_parallel(cfg, 3)
+    with pytest.raises(ConfigError, match="cannot be split evenly"):
+        plan_tensor_parallel(LlamaConfig.from_hf_dict(tiny_hf_config(num_attention_heads=12, num_key_value_heads=3,
+                                                                     head_dim=8, hidden_size=96)), 4)
+    with pytest.raises(ConfigError, match="positive"):
+        plan_tensor_parallel(cfg, 0)

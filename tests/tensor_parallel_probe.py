@@ -24,6 +24,8 @@ from tests.hf_models import write_tiny_checkpoint  # noqa: E402
 from tests.test_engine import _workload  # noqa: E402
 
 TP_SIZES = (1, 2, 4, 8)
+# The Pallas kernel (through Pallas' interpreter) inside shard_map: plain split, and one repeated KV head per device.
+PALLAS_TP_SIZES = (2, 8)
 # 8 query heads so every size divides them; 2 KV heads so sizes 4 and 8 repeat KV heads at load time.
 MODEL = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)
 # Small buckets (9 programs) keep four engines' start-up compiles within the test's budget.
@@ -31,10 +33,20 @@ ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched
               num_kv_pages=24, use_tqdm_on_load=False)
 
 
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    prompts, params = _workload(seed=5, count=6)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def pallas_report(model_dir: Path, tp: int) -> dict:
+    llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp,
+              attention_backend="pallas", pallas_interpret=True, **ENGINE)
+    return dict(tokens=greedy_tokens(llm), compiles_after_warmup=llm.engine.compiles_after_warmup)
+
+
 def engine_report(model_dir: Path, tp: int) -> dict:
     llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp, **ENGINE)
-    prompts, params = _workload(seed=5, count=6)
-    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    tokens = greedy_tokens(llm)
     runner = llm.engine.runner
     arrays = flat_arrays(llm.model.params)
     greedy_program = runner._programs[runner.buckets.select(16, 2, penalties=False, truncation=False)]
@@ -107,6 +119,7 @@ def main(work_dir: Path) -> None:
     model_dir = work_dir / "hf"
     write_tiny_checkpoint(model_dir, **MODEL)
     report = {"engines": {tp: engine_report(model_dir, tp) for tp in TP_SIZES},
+              "pallas_engines": {tp: pallas_report(model_dir, tp) for tp in PALLAS_TP_SIZES},
               "orbax_matches_safetensors": orbax_matches_safetensors(model_dir, work_dir / "orbax", tp=4),
               "builtin_matches_single_device": builtin_matches_single_device(tp=4)}
     print(json.dumps(report))

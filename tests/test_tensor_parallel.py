@@ -2,8 +2,8 @@
 the rules say, each device holds its share of the bytes, and the collectives are Megatron's.
 
 The checks run in one subprocess (tests/tensor_parallel_probe.py), since the device count must be set before JAX
-starts. The engines use the XLA attention backend (the CPU's default); under tensor parallelism it runs inside
-shard_map exactly as the Pallas kernel does.
+starts. The engines use the XLA attention backend (the CPU's default), and at TP 2 and 8 also the Pallas kernel
+through Pallas' interpreter; both run inside shard_map over the KV heads.
 """
 
 import json
@@ -37,6 +37,12 @@ def test_every_tensor_parallel_size_gives_the_single_device_greedy_tokens(report
     assert all(len(tokens) > 0 for tokens in reference)
     for tp in (2, 4, 8):
         assert report[tp]["tokens"] == reference, f"TP={tp}"
+
+
+def test_the_pallas_kernel_inside_shard_map_gives_the_same_tokens(report):
+    for tp, engine in report["pallas_engines"].items():
+        assert engine["tokens"] == report[1]["tokens"], f"TP={tp}"
+        assert engine["compiles_after_warmup"] == 0, f"TP={tp}"
 
 
 def test_fewer_kv_heads_than_devices_are_repeated_at_load_time(report):

@@ -30,6 +30,8 @@ def test_generate_on_the_builtin_model():
     (["generate", "--config", "configs/tiny-cpu.yaml", "--prompt", ""], "prompt is empty"),
     (["generate", "--config", "/nonexistent.yaml"], "config file not found"),
     (["convert", "/nonexistent/hf", "/tmp/out"], "/nonexistent/hf"),
+    (["generate", "--tensor-parallel-size", "3"], "must divide the model's 4 attention heads"),
+    (["generate", "--tensor-parallel-size", "2"], "needs that many devices"),  # the test process sees one CPU
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
     result = _jaxserve(*args)

@@ -95,7 +95,7 @@ def stream_to_device(
         for file, names in _names_by_file(stored).items():
             with open_safetensors(file) as reader:
                 for name in names:
-                    arrays[name] = to_device(tensor_slice(reader, name, file), targets[name])
+                    arrays[name] = to_device(tensor_slice(reader, name, file), targets[name], f"{name} from {file}")
                     bar.update(stored[name].nbytes)
     return arrays
 
@@ -108,12 +108,15 @@ def tensor_slice(reader: safe_open, name: str, file: Path):
         raise ModelLoadError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from None
 
 
-def to_device(source, target: TensorTarget) -> jax.Array:
-    """Read, cast and copy each device's shard, and wait, so host buffers are released before the next tensor."""
+def to_device(source, target: TensorTarget, what: str) -> jax.Array:
+    """Read, cast and copy each device's shard, and wait, so host buffers are released before the next tensor.
+
+    `what` names the tensor and its file in the error raised when the data cannot be read.
+    """
     try:
         return place_tensor(source, target).block_until_ready()
     except (SafetensorError, OSError) as e:
-        raise ModelLoadError(f"cannot read tensor {source} (corrupt file?): {e}") from None
+        raise ModelLoadError(f"cannot read tensor {what} (corrupt file?): {e}") from None
 
 
 @contextlib.contextmanager

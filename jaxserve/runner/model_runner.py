@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding

@@ -100,3 +100,46 @@ def test_sizes_the_model_or_the_machine_cannot_take_are_config_errors():
                                                                      head_dim=8, hidden_size=96)), 4)
     with pytest.raises(ConfigError, match="positive"):
         plan_tensor_parallel(cfg, 0)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("tp", [2, 8])
+def test_the_kernel_under_shard_map_lowers_for_cuda_over_a_mesh_of_h100s(tp):
+    """Llama-3-8B's attention (32 query heads, 8 KV heads of 128, bfloat16) through the cache's shard_map over an
+    abstract mesh of H100s: the real Triton lowering runs on this CPU, one kernel per device program."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.model.paged_kv_cache import PALLAS_BACKEND, PagedAttentionMetadata, PagedKVCache
+    from jaxserve.parallel import KV_POOL_SPEC, TP_AXIS
+    from tests.cuda_lowering import H100, TRITON_TARGET, triton_calls
+
+    mesh = AbstractMesh((tp,), (TP_AXIS,), axis_types=(AxisType.Auto,), abstract_device=H100)
+    pool_sharding = NamedSharding(mesh, KV_POOL_SPEC)
+    tokens, seqs, heads, kv_heads, head_dim = 64, 8, 32, 8, 128
+
+    def write_and_attend(q, k, v, k_pages, v_pages, metadata, positions):
+        cache = PagedKVCache((k_pages,), (v_pages,), metadata, PALLAS_BACKEND, pool_sharding)
+        out, cache = cache.update_and_attend(0, q[None], k[None], v[None], positions[None], head_dim ** -0.5)
+        return out, cache.k_pages[0], cache.v_pages[0]
+
+    whole, by_head = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, TP_AXIS, None))
+    ids = jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=whole)  # i32[T]
+    metadata = PagedAttentionMetadata(slot_mapping=ids, token_seq=ids,
+                                      block_tables=jax.ShapeDtypeStruct((seqs, 512), jnp.int32, sharding=whole),
+                                      seq_lens=jax.ShapeDtypeStruct((seqs,), jnp.int32, sharding=whole))
+    q = jax.ShapeDtypeStruct((tokens, heads, head_dim), jnp.bfloat16, sharding=by_head)  # f[T, heads, head_dim]
+    kv = jax.ShapeDtypeStruct((tokens, kv_heads, head_dim), jnp.bfloat16, sharding=by_head)  # f[T, kv_heads, hd]
+    # f[kv_heads, pages, page_size, head_dim]
+    pool = jax.ShapeDtypeStruct((kv_heads, 4096, 16, head_dim), jnp.bfloat16, sharding=pool_sharding)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(write_and_attend), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)],
+        )(q, kv, kv, pool, pool, metadata, ids)
+    assert exported.nr_devices == tp
+    assert triton_calls(exported) == 1
+    # Inside shard_map each device's program holds only its KV heads of the pool.
+    assert f"tensor<{kv_heads // tp}x4096x16x128xbf16>" in exported.mlir_module()

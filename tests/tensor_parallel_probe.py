@@ -17,7 +17,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve import LLM  # noqa: E402
-from jaxserve.checkpoint import BUILTIN_MODEL_DIR, convert_hf_to_orbax, load_model  # noqa: E402
+from jaxserve.checkpoint import BUILTIN_MODEL_DIR, convert_hf_to_orbax, load_model, shard_placement  # noqa: E402
 from jaxserve.checkpoint.param_tree import flat_arrays  # noqa: E402
 from jaxserve.parallel import TP_AXIS, param_partition_spec, plan_tensor_parallel  # noqa: E402
 from tests.hf_models import write_tiny_checkpoint  # noqa: E402
@@ -101,6 +101,24 @@ def orbax_matches_safetensors(model_dir: Path, orbax_model_dir: Path, tp: int) -
                for name, array in from_safetensors.items())
 
 
+def shard_reads(model_dir: Path, tp: int) -> dict:
+    """Host reads while loading, against the distinct device slices: a replicated tensor is read once, not tp times."""
+    reads = []
+    real_read = shard_placement.read_shard
+
+    def counting_read(source, index, stored_rows):
+        reads.append(index)
+        return real_read(source, index, stored_rows)
+
+    shard_placement.read_shard = counting_read
+    try:
+        arrays = flat_arrays(load_model(model_dir, "float32", False, tensor_parallel_size=tp).params)
+    finally:
+        shard_placement.read_shard = real_read
+    distinct = sum(len({shard.index for shard in array.addressable_shards}) for array in arrays.values())
+    return dict(reads=len(reads), distinct_slices=distinct)
+
+
 def builtin_matches_single_device(tp: int) -> bool:
     """The built-in model drawn sharded equals the one-device draw, KV rows repeated as the layout says."""
     single = load_model(None, "float32", False)
@@ -121,7 +139,8 @@ def main(work_dir: Path) -> None:
     report = {"engines": {tp: engine_report(model_dir, tp) for tp in TP_SIZES},
               "pallas_engines": {tp: pallas_report(model_dir, tp) for tp in PALLAS_TP_SIZES},
               "orbax_matches_safetensors": orbax_matches_safetensors(model_dir, work_dir / "orbax", tp=4),
-              "builtin_matches_single_device": builtin_matches_single_device(tp=4)}
+              "builtin_matches_single_device": builtin_matches_single_device(tp=4),
+              "shard_reads": shard_reads(model_dir, tp=8)}
     print(json.dumps(report))
 
 

@@ -62,6 +62,10 @@ def test_each_device_holds_its_share_of_the_weights(report):
         assert report[tp]["device_bytes"] == [report[tp]["expected_device_bytes"]], f"TP={tp}"
 
 
+def test_loading_reads_each_distinct_device_slice_once(report):
+    assert report["shard_reads"]["reads"] == report["shard_reads"]["distinct_slices"]
+
+
 def test_no_compile_after_warm_up(report):
     for tp in (1, 2, 4, 8):
         assert report[tp]["compiles_after_warmup"] == 0, f"TP={tp}"

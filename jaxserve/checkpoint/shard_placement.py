@@ -19,11 +19,15 @@ def place_tensor(source: Any, target: TensorTarget) -> jax.Array:
     """The device array `target.placed` describes, filled shard by shard from `source` (stored layout) on the host.
 
     Casting happens per shard on the host, so the device never holds the stored dtype beside the target one.
+    Devices holding the same slice (replicas) share one read.
     """
     placed = target.placed
+    shards: dict[tuple[slice, ...], np.ndarray] = {}  # index -> its host shard, cast (slices hash from Python 3.12)
 
     def read_device_shard(index: tuple[slice, ...]) -> np.ndarray:
-        return read_shard(source, index, target.stored_rows).astype(placed.dtype, copy=False)
+        if index not in shards:
+            shards[index] = read_shard(source, index, target.stored_rows).astype(placed.dtype, copy=False)
+        return shards[index]
 
     return jax.make_array_from_callback(placed.shape, placed.sharding, read_device_shard)
 

@@ -301,3 +301,22 @@ def test_chat_poisson_arrivals_end_to_end(tmp_path):
         assert (scenario["completed"], scenario["failed"]) == (6, 0)
         # No usage chunk from this stub: output tokens are counted chunks, the role-only chunk not among them.
         assert_completed_requests_got_their_lengths(scenario)
+
+
+@pytest.mark.slow
+def test_serve_overhead_runs_both_sides_and_they_agree(tmp_path):
+    """serve_overhead.py on a few short prompts: the real server and the offline LLM, their texts compared."""
+    out = tmp_path / "overhead.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "serve_overhead.py"), "--num-prompts", "2", "--input-len",
+                           "8", "--output-len", "4", "--rounds", "1", "--concurrency", "1,2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert [level["concurrency"] for level in report["levels"]] == [1, 2]
+    for level in report["levels"]:
+        assert level["check"] == {"prompts": 2, "agree": 2, "mismatched_prompts": [], "first_mismatch": None}
+        assert level["http"]["serve_stats"]["output_tokens"] == level["http"]["serve_stats"]["completed"] * 4 == 8
+        assert level["http"]["serve_stats"]["ttft_ms"]["p50"] > 0 and level["offline"]["output_tokens_per_s"] > 0
+        assert all(ratio > 0 for ratio in level["ratio_http_over_offline"].values())
+    assert done.stdout.strip().splitlines()[-1].split()[1:4] == ["http", "/", "offline"]

@@ -9,9 +9,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
-import collections  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -20,6 +18,7 @@ from jaxserve import LLM  # noqa: E402
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR, convert_hf_to_orbax, load_model, shard_placement  # noqa: E402
 from jaxserve.checkpoint.param_tree import flat_arrays  # noqa: E402
 from jaxserve.parallel import TP_AXIS, param_partition_spec, plan_tensor_parallel  # noqa: E402
+from jaxserve.parallel.collectives import all_gather_shapes, count_collectives  # noqa: E402
 from tests.hf_models import write_tiny_checkpoint  # noqa: E402
 from tests.test_engine import _workload  # noqa: E402
 
@@ -58,8 +57,8 @@ def engine_report(model_dir: Path, tp: int) -> dict:
         device_bytes=sorted({_device_bytes(arrays, device) for device in runner.mesh.devices.flat}),
         expected_device_bytes=sum(_expected_share(name, array, tp) for name, array in arrays.items()),
         pool_shard_shape=list(runner.pool.k_pages[0].addressable_shards[0].data.shape),
-        collectives=_collectives(greedy_program.as_text()),
-        all_gather_shapes=_all_gather_shapes(greedy_program.as_text()),
+        collectives=count_collectives(greedy_program.as_text()),
+        all_gather_shapes=all_gather_shapes(greedy_program.as_text()),
         num_layers=llm.model.config.num_hidden_layers,
     )
 
@@ -77,19 +76,6 @@ def _expected_share(name: str, array, tp: int) -> int:
     """The rule's share of one tensor on one device: 1/tp of a split tensor, all of a replicated one."""
     split = any(axis is not None for axis in param_partition_spec(name))
     return array.nbytes // tp if split else array.nbytes
-
-
-_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
-
-
-def _collectives(hlo: str) -> dict[str, int]:
-    """Collective op -> how many the compiled (partitioned) program runs."""
-    return dict(collections.Counter(match.group(2) for match in _COLLECTIVE.finditer(hlo)))
-
-
-def _all_gather_shapes(hlo: str) -> list[str]:
-    """Result types of the program's all-gathers, e.g. "f32[1,512]{0,1}"."""
-    return [match.group(1) for match in _COLLECTIVE.finditer(hlo) if match.group(2) == "all-gather"]
 
 
 def orbax_matches_safetensors(model_dir: Path, orbax_model_dir: Path, tp: int) -> bool:

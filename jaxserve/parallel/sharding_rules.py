@@ -68,6 +68,21 @@ def param_partition_spec(name: str) -> P:
     raise ValueError(f"no sharding rule covers parameter {name}")
 
 
+def even_partition_spec(name: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
+    """The rule's partition for tensor `name` of `shape`, with any dimension the mesh does not divide left whole (an
+    odd vocabulary, say), since JAX shards evenly only."""
+    spec = param_partition_spec(name)
+    return P(*(axis if axis is None or shape[dim] % tensor_parallel_size == 0 else None
+               for dim, axis in enumerate(spec)))
+
+
+def shard_shape(name: str, shape: tuple[int, ...], tensor_parallel_size: int) -> tuple[int, ...]:
+    """The shape of one device's shard of tensor `name` (the whole shape where the rules replicate it)."""
+    spec = even_partition_spec(name, shape, tensor_parallel_size)
+    return tuple(size if axis is None else size // tensor_parallel_size
+                 for size, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorParallelLayout:
     """How one model is laid out over the devices of a tensor-parallel mesh."""
@@ -87,13 +102,8 @@ class TensorParallelLayout:
         return self.model_config.num_key_value_heads // self.checkpoint_config.num_key_value_heads
 
     def param_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
-        """The rule's sharding for tensor `name` of `shape` (as the model runs it).
-
-        A dimension the mesh does not divide (an odd vocabulary, say) is left whole, since JAX shards evenly only.
-        """
-        spec = param_partition_spec(name)
-        spec = P(*(axis if axis is None or shape[dim] % self.size == 0 else None for dim, axis in enumerate(spec)))
-        return NamedSharding(self.mesh, spec)
+        """The rule's sharding for tensor `name` of `shape` (as the model runs it), as `even_partition_spec` says."""
+        return NamedSharding(self.mesh, even_partition_spec(name, shape, self.size))
 
     def pool_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, KV_POOL_SPEC)
@@ -116,6 +126,14 @@ def plan_tensor_parallel(cfg: LlamaConfig, tensor_parallel_size: int,
                          devices: list[jax.Device] | None = None) -> TensorParallelLayout:
     """The layout of `cfg` over `tensor_parallel_size` devices; ConfigError when the model cannot be split so (checked
     before the device count, so a wrong size is reported the same on any machine)."""
+    model_config = running_config(cfg, tensor_parallel_size)
+    return TensorParallelLayout(mesh=make_tp_mesh(tensor_parallel_size, devices), checkpoint_config=cfg,
+                                model_config=model_config)
+
+
+def running_config(cfg: LlamaConfig, tensor_parallel_size: int) -> LlamaConfig:
+    """`cfg` as it runs over `tensor_parallel_size` devices: KV heads repeated up to the size when fewer. ConfigError
+    when the model cannot be split so. Needs no devices, so memory plans for machines not at hand use it too."""
     check_positive_size(tensor_parallel_size)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % tensor_parallel_size:
@@ -124,5 +142,4 @@ def plan_tensor_parallel(cfg: LlamaConfig, tensor_parallel_size: int,
     if kv_heads % tensor_parallel_size and tensor_parallel_size % kv_heads:
         raise ConfigError(f"the model's {kv_heads} KV heads cannot be split evenly over {tensor_parallel_size} "
                           f"devices: one must divide the other")
-    model_config = dataclasses.replace(cfg, num_key_value_heads=max(kv_heads, tensor_parallel_size))
-    return TensorParallelLayout(mesh=make_tp_mesh(tensor_parallel_size, devices), checkpoint_config=cfg, model_config=model_config)
+    return dataclasses.replace(cfg, num_key_value_heads=max(kv_heads, tensor_parallel_size))

@@ -208,7 +208,7 @@ def seeds_comparison(rows: list[MemoryPlanRow], device_bytes: int, workspace_byt
     tp = row.tensor_parallel_size
     held_back = (1 - PLAN_GPU_MEMORY_UTILIZATION) * device_bytes * tp
     return (f"2 x H100, FP8 weights: the plan leaves {row.total_kv_bytes / 1e9:.1f} GB for KV against the seeds' "
-            f"~{SEEDS_2XH100_FP8_KV_GB:.0f} GB. Device memory {tp} x {device_bytes / 1e9:.1f} GB (not 2 x 80); "
+            f"~{SEEDS_2XH100_FP8_KV_GB:.0f} GB. Allocator limit {tp} x {device_bytes / 1e9:.1f} GB (not 2 x 80); "
             f"weights {row.weight_bytes * tp / 1e9:.1f} GB in all (embeddings and lm_head stay bf16); "
             f"{held_back / 1e9:.1f} GB held back by gpu_memory_utilization {PLAN_GPU_MEMORY_UTILIZATION}; "
             f"{workspace_bytes * tp / 1e9:.1f} GB of activation workspace; the rest is under one page.")

@@ -164,7 +164,8 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def plan_row(cfg: LlamaConfig, tensor_parallel_size: int, weights_dtype: str, kv_dtype: str,
-             device_bytes: int, workspace_bytes: int, weight_bytes: int) -> MemoryPlanRow:
+             device_bytes: int, workspace_bytes: int, weight_bytes: int,
+             allocator_share: float = 1.0) -> MemoryPlanRow:
     """What the engine's automatic sizing gives on devices whose allocator limit is `device_bytes`, each holding
     `weight_bytes` of weights."""
     model_config = running_config(cfg, tensor_parallel_size)
@@ -173,7 +174,8 @@ def plan_row(cfg: LlamaConfig, tensor_parallel_size: int, weights_dtype: str, kv
         pages = resolve_num_pages(model_config, kv_dtype, page_size=PLAN_PAGE_SIZE, max_num_seqs=1,
                                   max_model_len=PLAN_SEQ_LEN, num_kv_pages=None, kv_cache_memory_gb=None,
                                   gpu_memory_utilization=PLAN_GPU_MEMORY_UTILIZATION, memory_stats=stats,
-                                  workspace_bytes=workspace_bytes, tensor_parallel_size=tensor_parallel_size) - 1
+                                  workspace_bytes=workspace_bytes, tensor_parallel_size=tensor_parallel_size,
+                                  allocator_share=allocator_share) - 1
     except ConfigError:  # the weights and workspace leave less than one page
         pages = 0
     return MemoryPlanRow(weights_dtype=weights_dtype, kv_dtype=kv_dtype, tensor_parallel_size=tensor_parallel_size,
@@ -183,12 +185,14 @@ def plan_row(cfg: LlamaConfig, tensor_parallel_size: int, weights_dtype: str, kv
 
 
 def memory_plan(cfg: LlamaConfig = LLAMA_31_70B, tp_sizes: tuple[int, ...] = PLAN_TP_SIZES,
-                device_bytes: int = H100_80GB_BYTES, workspace_bytes: int = 2 * 2**30) -> list[MemoryPlanRow]:
-    """Every (weights dtype, KV dtype) of PLAN_DTYPES at every TP size."""
+                device_bytes: int = H100_80GB_BYTES, workspace_bytes: int = 2 * 2**30,
+                allocator_share: float = 1.0) -> list[MemoryPlanRow]:
+    """Every (weights dtype, KV dtype) of PLAN_DTYPES at every TP size; `device_bytes` is the allocator's limit,
+    `allocator_share` the share of the device it stands for."""
     weights = {(dtype, tp): weight_bytes_per_device(cfg, tp, dtype)
                for dtype in {w for w, _ in PLAN_DTYPES} for tp in tp_sizes}
-    return [plan_row(cfg, tp, weights_dtype, kv_dtype, device_bytes, workspace_bytes, weights[weights_dtype, tp])
-            for weights_dtype, kv_dtype in PLAN_DTYPES for tp in tp_sizes]
+    return [plan_row(cfg, tp, weights_dtype, kv_dtype, device_bytes, workspace_bytes, weights[weights_dtype, tp],
+                     allocator_share) for weights_dtype, kv_dtype in PLAN_DTYPES for tp in tp_sizes]
 
 
 def format_memory_plan(rows: list[MemoryPlanRow]) -> str:
@@ -221,7 +225,8 @@ def _short(dtype: str) -> str:
 def run_memory_plan(args: argparse.Namespace) -> dict[str, Any]:
     device_bytes = int(H100_80GB_BYTES * args.allocator_fraction)
     workspace_bytes = int(args.workspace_gib * 2**30)
-    rows = memory_plan(device_bytes=device_bytes, workspace_bytes=workspace_bytes)
+    rows = memory_plan(device_bytes=device_bytes, workspace_bytes=workspace_bytes,
+                       allocator_share=args.allocator_fraction)
     print(seeds_comparison(rows, device_bytes, workspace_bytes))
     print(format_memory_plan(rows))
     return {"model": "Llama-3.1-70B", "device_bytes": device_bytes, "workspace_bytes": workspace_bytes,

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from jaxserve.device_memory import claim_device_memory
 from jaxserve.errors import JaxserveError
 from jaxserve.settings import EngineSettings, load_settings
 
@@ -111,7 +112,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def _engine_settings(args: argparse.Namespace):
     overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSettings)}
-    return load_settings(args.config, overrides)
+    settings = load_settings(args.config, overrides)
+    claim_device_memory(settings.gpu_memory_utilization)  # before anything imports JAX
+    return settings
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,10 +1,13 @@
 """Pool sizing: explicit pages, a GiB budget, or device memory minus weights and the largest step's workspace."""
 
+import os
+
 import jax.numpy as jnp
 import pytest
 
 from jaxserve.checkpoint import load_model
-from jaxserve.engine.kv_sizing import bytes_per_page, resolve_num_pages
+from jaxserve.device_memory import MEM_FRACTION_VARS, claim_device_memory
+from jaxserve.engine.kv_sizing import bytes_per_page, device_budget_bytes, resolve_num_pages
 from jaxserve.errors import ConfigError
 from jaxserve.runner.model_runner import RunnerConfig, largest_step_workspace_bytes
 
@@ -59,3 +62,26 @@ def test_device_memory_budget_subtracts_weights_and_workspace(builtin):
 def test_largest_step_workspace_is_measured_by_xla(builtin):
     config = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, page_size=8, num_pages=2)
     assert largest_step_workspace_bytes(builtin.config, builtin.graphdef, builtin.params, builtin.dtype, config) > 0
+
+
+def test_utilization_is_a_share_of_the_device_not_of_the_allocator_limit():
+    """JAX's allocator holds 0.75 of a GPU by default: 0.5 utilization is 0.5 of the device, never past the limit."""
+    stats = {"bytes_limit": 750}
+    assert device_budget_bytes(stats, 0.5, mem_fraction=0.75) == pytest.approx(500)
+    assert device_budget_bytes(stats, 0.9, mem_fraction=0.75) == 750
+
+
+def test_pool_sizing_reads_the_allocator_limit_as_its_share_of_the_device(builtin):
+    per_page = bytes_per_page(builtin.config, 16, jnp.float32)
+    stats = {"bytes_limit": 750 * per_page, "bytes_in_use": 100 * per_page}
+    assert _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.5, allocator_share=0.75) == 400 + 1
+
+
+def test_commands_raise_the_allocator_share_to_the_utilization_unless_the_operator_set_it(monkeypatch):
+    for name in MEM_FRACTION_VARS:
+        monkeypatch.delenv(name, raising=False)
+    claim_device_memory(0.9)
+    assert float(os.environ[MEM_FRACTION_VARS[0]]) == 0.9
+    monkeypatch.setenv(MEM_FRACTION_VARS[0], "0.6")
+    claim_device_memory(0.9)
+    assert float(os.environ[MEM_FRACTION_VARS[0]]) == 0.6

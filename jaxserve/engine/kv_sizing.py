@@ -26,15 +26,24 @@ def device_memory_stats() -> dict | None:
     return stats if stats and "bytes_limit" in stats else None
 
 
+def device_budget_bytes(memory_stats: dict, gpu_memory_utilization: float, mem_fraction: float) -> float:
+    """The utilization's share of the device's whole memory, which the allocator's limit (its share
+    `mem_fraction` of the device) caps."""
+    device_bytes = memory_stats["bytes_limit"] / mem_fraction
+    return min(device_bytes * gpu_memory_utilization, memory_stats["bytes_limit"])
+
+
 def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs: int, max_model_len: int,
                       num_kv_pages: int | None, kv_cache_memory_gb: float | None, gpu_memory_utilization: float,
-                      memory_stats: dict | None, workspace_bytes: int = 0, tensor_parallel_size: int = 1) -> int:
+                      memory_stats: dict | None, workspace_bytes: int = 0, tensor_parallel_size: int = 1,
+                      allocator_share: float = 1.0) -> int:
     """Pages in the pool, the null page included.
 
     Explicit `num_kv_pages` wins; then `kv_cache_memory_gb` (per device); then, on a device that reports memory,
     the share `gpu_memory_utilization` of its memory minus what is already in use (its weight shards) and minus the
     activation workspace of the largest compiled step; elsewhere (the CPU) enough pages for max_num_seqs full
     sequences. Every device holds the same share of every page, so one device's budget sizes the whole pool.
+    `allocator_share` is the share of the device's memory that `bytes_limit` stands for (device_memory.py).
     """
     per_page = bytes_per_page(model, page_size, dtype, tensor_parallel_size)
     if num_kv_pages is not None:
@@ -44,8 +53,8 @@ def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs
     elif memory_stats is not None:
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        budget = (memory_stats["bytes_limit"] * gpu_memory_utilization - memory_stats.get("bytes_in_use", 0)
-                  - workspace_bytes)
+        budget = (device_budget_bytes(memory_stats, gpu_memory_utilization, allocator_share)
+                  - memory_stats.get("bytes_in_use", 0) - workspace_bytes)
         pages = int(budget // per_page) + 1
     else:
         pages = max_num_seqs * -(-max_model_len // page_size) + 1

@@ -18,6 +18,7 @@ from collections.abc import Sequence as SequenceOf
 import jax
 import numpy as np
 
+from jaxserve.device_memory import allocator_fraction
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.kv_sizing import device_memory_stats, resolve_num_pages
 from jaxserve.engine.logprobs import candidate_logprobs
@@ -304,7 +305,7 @@ def _pool_pages(model, config: EngineConfig) -> int:
                              max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
                              gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
-                             workspace_bytes=workspace)
+                             workspace_bytes=workspace, allocator_share=allocator_fraction())
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:

@@ -39,6 +39,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="HF or converted folder (default: the built-in tiny random model)")
     _add_engine_flags(serve)
     _add_server_flags(serve)
+    _add_process_group_flags(serve)
     serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", help="generate text offline and print it")
@@ -109,16 +110,52 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-dir", type=Path, help="enables /start_profile and /stop_profile, traces go here")
 
 
+def _add_process_group_flags(parser: argparse.ArgumentParser) -> None:
+    """Multi-host: each flag defaults to its JAXSERVE_* environment variable, which a launcher's pod or job spec can
+    set from its own (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX; SLURM_NTASKS, SLURM_PROCID)."""
+    env = os.environ
+    parser.add_argument("--coordinator", default=env.get("JAXSERVE_COORDINATOR"), metavar="HOST:PORT",
+                        help="process 0's address for jax.distributed; runs one model over the devices of "
+                        "--num-processes processes (default: $JAXSERVE_COORDINATOR; none: one process)")
+    parser.add_argument("--num-processes", type=int, default=_int_env("JAXSERVE_NUM_PROCESSES"),
+                        help="processes in the group (default: $JAXSERVE_NUM_PROCESSES)")
+    parser.add_argument("--process-id", type=int, default=_int_env("JAXSERVE_PROCESS_ID"),
+                        help="this process's rank; 0 serves HTTP and schedules (default: $JAXSERVE_PROCESS_ID)")
+    parser.add_argument("--heartbeat-timeout", type=int, default=10,
+                        help="seconds a silent process may take before the whole group ends")
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def _process_group(args: argparse.Namespace):
+    """The group these flags describe; None for a single process."""
+    from jaxserve.parallel.process_group import ProcessGroup
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if all(flag is None for flag in flags):
+        return None
+    if any(flag is None for flag in flags):
+        raise JaxserveError("--coordinator, --num-processes and --process-id go together (or their JAXSERVE_* "
+                            "environment variables)")
+    return ProcessGroup(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
+                        heartbeat_timeout_s=args.heartbeat_timeout)
+
+
 def _engine_settings(args: argparse.Namespace):
     overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSettings)}
     return load_settings(args.config, overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from jaxserve.parallel.process_group import initialize_process_group
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.serve import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    group = _process_group(args)
     if args.model_path is not None:
         if args.model is not None and args.model != args.model_path:
             raise JaxserveError(f"two models given: {args.model_path} and --model {args.model}")
@@ -130,6 +167,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         profile_dir=args.profile_dir)
+    if group is not None:  # before the model loads: from here on jax.devices() lists every process's devices
+        initialize_process_group(group)
     return serve(settings, config)
 
 

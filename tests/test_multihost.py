@@ -1,0 +1,86 @@
+"""Multi-host on one machine: two `jaxserve serve` processes on 127.0.0.1 joined by `jax.distributed`, 2 simulated
+CPU devices each, one tensor-parallel mesh of 4 over both. Process 0 serves HTTP and schedules; process 1 runs the
+broadcast steps. A greedy completion through process 0 must equal the single-process offline engine's, and killing
+process 1 must end process 0 with an error within a bounded time, never a hang.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.settings import load_settings
+from tests.live_server import ROOT, TINY_CONFIG, LiveServer, _wait_until_ready, free_port
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 12
+# Small buckets (9 programs) keep each process's start-up compiles short.
+ENGINE_FLAGS = {"max_num_seqs": 2, "max_num_batched_tokens": 16}
+HEARTBEAT_TIMEOUT_S = 5
+# A dead peer is noticed within the heartbeat timeout; the rest is slack for a loaded machine.
+EXIT_BOUND_S = 60
+
+
+def _serve_command(port: int, coordinator_port: int, process_id: int) -> list[str]:
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE_FLAGS.items()]
+    return [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(TINY_CONFIG), "--port", str(port), *flags,
+            "--tensor-parallel-size", "4", "--coordinator", f"127.0.0.1:{coordinator_port}", "--num-processes", "2",
+            "--process-id", str(process_id), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
+
+
+@contextlib.contextmanager
+def two_process_server(tmp_dir: Path) -> Iterator[tuple[LiveServer, subprocess.Popen]]:
+    """Process 0 (serving) and process 1 (following); both are killed when the block ends, whatever happened."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONUNBUFFERED": "1"}
+    coordinator_port, port = free_port(), free_port()
+    processes = []
+    for process_id in (0, 1):
+        with open(tmp_dir / f"process-{process_id}.log", "wb") as log:
+            processes.append(subprocess.Popen(_serve_command(port, coordinator_port, process_id), stdout=log,
+                                              stderr=subprocess.STDOUT, cwd=ROOT, env=env))
+    leader = LiveServer(f"http://127.0.0.1:{port}", processes[0], tmp_dir / "process-0.log")
+    try:
+        _wait_until_ready(leader)
+        yield leader, processes[1]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def expected_text() -> str:
+    """The single-process offline engine's greedy text (TP 1, the same settings)."""
+    llm = LLM(**load_settings(TINY_CONFIG, ENGINE_FLAGS).llm_kwargs(), use_tqdm_on_load=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_two_processes_serve_the_single_process_tokens_and_end_together(tmp_path, expected_text):
+    with two_process_server(tmp_path) as (leader, follower):
+        response = httpx.post(leader.base_url + "/v1/completions", timeout=120, json={
+            "model": "jaxserve-builtin", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected_text
+        assert "following the leader's steps" in (tmp_path / "process-1.log").read_text()
+
+        follower.kill()
+        started = time.monotonic()
+        try:
+            code = leader.process.wait(timeout=EXIT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"process 0 still runs {EXIT_BOUND_S} s after process 1 died:\n"
+                                 f"{leader.log()[-4000:]}") from None
+        print(f"process 0 ended {time.monotonic() - started:.1f} s after process 1 was killed, exit code {code}")
+        assert code != 0
+        assert "another task died" in leader.log() or "process of the group failed" in leader.log()

@@ -66,6 +66,17 @@ def expected_text() -> str:
     return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
 
 
+def _wait_for_exit(process: subprocess.Popen, log_path: Path) -> tuple[int, float]:
+    """The exit code and the seconds it took; AssertionError (with the log) past EXIT_BOUND_S."""
+    started = time.monotonic()
+    try:
+        code = process.wait(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {EXIT_BOUND_S} s after its peer ended:\n"
+                             f"{log_path.read_text(errors='replace')[-4000:]}") from None
+    return code, time.monotonic() - started
+
+
 def test_two_processes_serve_the_single_process_tokens_and_end_together(tmp_path, expected_text):
     with two_process_server(tmp_path) as (leader, follower):
         response = httpx.post(leader.base_url + "/v1/completions", timeout=120, json={
@@ -75,12 +86,25 @@ def test_two_processes_serve_the_single_process_tokens_and_end_together(tmp_path
         assert "following the leader's steps" in (tmp_path / "process-1.log").read_text()
 
         follower.kill()
-        started = time.monotonic()
-        try:
-            code = leader.process.wait(timeout=EXIT_BOUND_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"process 0 still runs {EXIT_BOUND_S} s after process 1 died:\n"
-                                 f"{leader.log()[-4000:]}") from None
-        print(f"process 0 ended {time.monotonic() - started:.1f} s after process 1 was killed, exit code {code}")
+        code, seconds = _wait_for_exit(leader.process, leader.log_path)
+        print(f"process 0 ended {seconds:.1f} s after process 1 was killed, exit code {code}")
         assert code != 0
         assert "another task died" in leader.log() or "process of the group failed" in leader.log()
+
+
+def test_killing_process_0_ends_process_1(tmp_path):
+    with two_process_server(tmp_path) as (leader, follower):
+        leader.process.kill()
+        code, seconds = _wait_for_exit(follower, tmp_path / "process-1.log")
+        print(f"process 1 ended {seconds:.1f} s after process 0 was killed, exit code {code}")
+        assert code != 0
+        follower_log = (tmp_path / "process-1.log").read_text(errors="replace")
+        assert "another task died" in follower_log or "process of the group failed" in follower_log
+
+
+def test_sigterm_to_process_0_stops_both_cleanly(tmp_path):
+    with two_process_server(tmp_path) as (leader, follower):
+        assert leader.terminate(timeout=EXIT_BOUND_S) == 0
+        code, _ = _wait_for_exit(follower, tmp_path / "process-1.log")
+        assert code == 0
+        assert "the leader stopped" in (tmp_path / "process-1.log").read_text()

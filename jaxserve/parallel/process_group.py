@@ -40,6 +40,7 @@ class ProcessGroup:
     process_id: int  # this process's rank, 0 .. num_processes - 1; 0 is the leader
     heartbeat_timeout_s: int = 10  # a peer silent this long is declared dead and the group ends
     initialization_timeout_s: int = 300  # how long process 0 waits for every peer to join
+    shutdown_timeout_s: int = 30  # how long a process leaving normally waits for the others at the exit barrier
 
     def __post_init__(self):
         if self.num_processes < 1:
@@ -60,7 +61,8 @@ def initialize_process_group(group: ProcessGroup) -> None:
              group.coordinator, group.process_id, group.num_processes, group.heartbeat_timeout_s)
     jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
                                process_id=group.process_id, initialization_timeout=group.initialization_timeout_s,
-                               heartbeat_timeout_seconds=group.heartbeat_timeout_s)
+                               heartbeat_timeout_seconds=group.heartbeat_timeout_s,
+                               shutdown_timeout_seconds=group.shutdown_timeout_s)
     log.info("process group ready: %d devices in all, %d here", jax.device_count(), jax.local_device_count())
 
 

@@ -4,7 +4,10 @@ A multi-process mesh runs SPMD programs that every process must launch, in the s
 Only the leader schedules, so each step it broadcasts what it decided, in two collectives over JAX
 (`broadcast_one_to_all`): a fixed-size header i32[2] (what to do, and which bucket), then the step's padded host
 arrays, whose shapes the bucket fixes, so every broadcast has a static shape and each is compiled once, at warm-up.
-Followers receive, run the bucket's program, and never read results back.
+Followers receive, run the bucket's program, and never read results back. Async scheduling stays on: the leader
+broadcasts and launches from one thread in step order, and a step's pending tokens come from the previous step's
+device output, which every process holds alike. Each broadcast does wait for its data on the host, so the leader's
+host work overlaps the device less than on one process.
 
 A collective that fails (a peer died) ends this process through `abort_group`, with one clear log line.
 """

@@ -52,6 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--request-seed", type=int, default=None, help="seed of every request's sampling")
     generate.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the generation here")
+    _add_process_group_flags(generate)
     generate.set_defaults(handler=_generate)
 
     batch = commands.add_parser("run-batch", help="run an OpenAI batch-style JSONL file of requests")
@@ -144,18 +145,26 @@ def _process_group(args: argparse.Namespace):
                         heartbeat_timeout_s=args.heartbeat_timeout)
 
 
+def _join_process_group(args: argparse.Namespace) -> None:
+    """Joins the group the flags describe, if any: before the model loads, since from then on jax.devices() lists
+    the devices of every process."""
+    from jaxserve.parallel.process_group import initialize_process_group
+
+    group = _process_group(args)
+    if group is not None:
+        initialize_process_group(group)
+
+
 def _engine_settings(args: argparse.Namespace):
     overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSettings)}
     return load_settings(args.config, overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from jaxserve.parallel.process_group import initialize_process_group
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.serve import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    group = _process_group(args)
     if args.model_path is not None:
         if args.model is not None and args.model != args.model_path:
             raise JaxserveError(f"two models given: {args.model_path} and --model {args.model}")
@@ -167,8 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         profile_dir=args.profile_dir)
-    if group is not None:  # before the model loads: from here on jax.devices() lists every process's devices
-        initialize_process_group(group)
+    _join_process_group(args)
     return serve(settings, config)
 
 
@@ -184,13 +192,18 @@ def _generate(args: argparse.Namespace) -> int:
     # Cheap checks first: a typo must not wait for weights to load and programs to compile.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed)
+    _join_process_group(args)
     llm = LLM(**settings.llm_kwargs())
+    if llm.is_follower:  # process 0 generates and prints
+        llm.follow_leader()
+        return 0
     prompts = args.prompt or [DEMO_PROMPT]
     with _profiling(args.profile_dir):
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
+    llm.release_followers()
     if settings.model is None:
         print("(built-in tiny random model: its output is noise; pass --model DIR for real weights)", file=sys.stderr)
     for prompt, output in zip(prompts, outputs):

@@ -32,16 +32,13 @@ _CONNECTION_GRACE_S = 5.0
 def serve(settings: EngineSettings, config: ServerConfig) -> int:
     """Blocks until the server has shut down; returns the process exit code."""
     llm = LLM(**settings.llm_kwargs())
-    runner = llm.engine.runner
-    if runner.is_follower:
-        log.info("following the leader's steps (process 0 serves HTTP)")
-        runner.follow()
-        log.info("the leader stopped; exiting")
+    if llm.is_follower:  # process 0 serves HTTP
+        llm.follow_leader()
         return 0
     context = ServerContext(engine=AsyncEngine(llm.engine), tokenizer=llm.tokenizer, config=config,
                             max_model_len=llm.max_model_len, vocab_size=llm.model.config.vocab_size)
     asyncio.run(_serve(context))
-    runner.stop_followers()
+    llm.release_followers()
     return 0
 
 

@@ -61,6 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output-file", type=Path, required=True, help="JSONL: one result per line")
     batch.add_argument("--served-model-name", help="model name written into the results (default: the folder)")
     batch.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the run here")
+    _add_process_group_flags(batch)
     batch.set_defaults(handler=_run_batch)
 
     convert = commands.add_parser("convert", help="convert an HF safetensors folder into an Orbax checkpoint")
@@ -155,6 +156,14 @@ def _join_process_group(args: argparse.Namespace) -> None:
         initialize_process_group(group)
 
 
+def _followed(llm) -> bool:
+    """True once a process other than 0 of a group has run process 0's steps to their end; False on process 0."""
+    if not llm.is_follower:
+        return False
+    llm.follow_leader()
+    return True
+
+
 def _engine_settings(args: argparse.Namespace):
     overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSettings)}
     return load_settings(args.config, overrides)
@@ -194,8 +203,7 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.request_seed)
     _join_process_group(args)
     llm = LLM(**settings.llm_kwargs())
-    if llm.is_follower:  # process 0 generates and prints
-        llm.follow_leader()
+    if _followed(llm):  # process 0 generates and prints
         return 0
     prompts = args.prompt or [DEMO_PROMPT]
     with _profiling(args.profile_dir):
@@ -219,10 +227,14 @@ def _run_batch(args: argparse.Namespace) -> int:
     settings = _engine_settings(args)
     if not args.input_file.is_file():
         raise JaxserveError(f"batch input file not found: {args.input_file}")
+    _join_process_group(args)
     llm = LLM(**settings.llm_kwargs())
+    if _followed(llm):  # process 0 reads the input and writes the results
+        return 0
     name = args.served_model_name or _model_name(settings.model)
     with _profiling(args.profile_dir):
         succeeded, failed = run_batch(llm, args.input_file, args.output_file, name)
+    llm.release_followers()
     print(f"wrote {succeeded + failed} results to {args.output_file} ({succeeded} succeeded, {failed} failed)")
     return 0
 

@@ -40,6 +40,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="HF or converted folder (default: the built-in tiny random model)")
     _add_engine_flags(serve)
     _add_server_flags(serve)
+    _add_process_group_flags(serve)
     serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", help="generate text offline and print it")
@@ -52,6 +53,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--request-seed", type=int, default=None, help="seed of every request's sampling")
     generate.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the generation here")
+    _add_process_group_flags(generate)
     generate.set_defaults(handler=_generate)
 
     batch = commands.add_parser("run-batch", help="run an OpenAI batch-style JSONL file of requests")
@@ -60,6 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output-file", type=Path, required=True, help="JSONL: one result per line")
     batch.add_argument("--served-model-name", help="model name written into the results (default: the folder)")
     batch.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the run here")
+    _add_process_group_flags(batch)
     batch.set_defaults(handler=_run_batch)
 
     convert = commands.add_parser("convert", help="convert an HF safetensors folder into an Orbax checkpoint")
@@ -110,6 +113,58 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-dir", type=Path, help="enables /start_profile and /stop_profile, traces go here")
 
 
+def _add_process_group_flags(parser: argparse.ArgumentParser) -> None:
+    """Multi-host: each flag defaults to its JAXSERVE_* environment variable, which a launcher's pod or job spec can
+    set from its own (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX; SLURM_NTASKS, SLURM_PROCID)."""
+    env = os.environ
+    parser.add_argument("--coordinator", default=env.get("JAXSERVE_COORDINATOR"), metavar="HOST:PORT",
+                        help="process 0's address for jax.distributed; runs one model over the devices of "
+                        "--num-processes processes (default: $JAXSERVE_COORDINATOR; none: one process)")
+    parser.add_argument("--num-processes", type=int, default=_int_env("JAXSERVE_NUM_PROCESSES"),
+                        help="processes in the group (default: $JAXSERVE_NUM_PROCESSES)")
+    parser.add_argument("--process-id", type=int, default=_int_env("JAXSERVE_PROCESS_ID"),
+                        help="this process's rank; 0 serves HTTP and schedules (default: $JAXSERVE_PROCESS_ID)")
+    parser.add_argument("--heartbeat-timeout", type=int, default=10,
+                        help="seconds a silent process may take before the whole group ends")
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def _process_group(args: argparse.Namespace):
+    """The group these flags describe; None for a single process."""
+    from jaxserve.parallel.process_group import ProcessGroup
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if all(flag is None for flag in flags):
+        return None
+    if any(flag is None for flag in flags):
+        raise JaxserveError("--coordinator, --num-processes and --process-id go together (or their JAXSERVE_* "
+                            "environment variables)")
+    return ProcessGroup(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
+                        heartbeat_timeout_s=args.heartbeat_timeout)
+
+
+def _join_process_group(args: argparse.Namespace) -> None:
+    """Joins the group the flags describe, if any: before the model loads, since from then on jax.devices() lists
+    the devices of every process."""
+    from jaxserve.parallel.process_group import initialize_process_group
+
+    group = _process_group(args)
+    if group is not None:
+        initialize_process_group(group)
+
+
+def _followed(llm) -> bool:
+    """True once a process other than 0 of a group has run process 0's steps to their end; False on process 0."""
+    if not llm.is_follower:
+        return False
+    llm.follow_leader()
+    return True
+
+
 def _engine_settings(args: argparse.Namespace):
     overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSettings)}
     settings = load_settings(args.config, overrides)
@@ -133,6 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         profile_dir=args.profile_dir)
+    _join_process_group(args)
     return serve(settings, config)
 
 
@@ -148,13 +204,17 @@ def _generate(args: argparse.Namespace) -> int:
     # Cheap checks first: a typo must not wait for weights to load and programs to compile.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed)
+    _join_process_group(args)
     llm = LLM(**settings.llm_kwargs())
+    if _followed(llm):  # process 0 generates and prints
+        return 0
     prompts = args.prompt or [DEMO_PROMPT]
     with _profiling(args.profile_dir):
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
+    llm.release_followers()
     if settings.model is None:
         print("(built-in tiny random model: its output is noise; pass --model DIR for real weights)", file=sys.stderr)
     for prompt, output in zip(prompts, outputs):
@@ -170,10 +230,14 @@ def _run_batch(args: argparse.Namespace) -> int:
     settings = _engine_settings(args)
     if not args.input_file.is_file():
         raise JaxserveError(f"batch input file not found: {args.input_file}")
+    _join_process_group(args)
     llm = LLM(**settings.llm_kwargs())
+    if _followed(llm):  # process 0 reads the input and writes the results
+        return 0
     name = args.served_model_name or _model_name(settings.model)
     with _profiling(args.profile_dir):
         succeeded, failed = run_batch(llm, args.input_file, args.output_file, name)
+    llm.release_followers()
     print(f"wrote {succeeded + failed} results to {args.output_file} ({succeeded} succeeded, {failed} failed)")
     return 0
 

@@ -32,6 +32,10 @@ def test_generate_on_the_builtin_model():
     (["convert", "/nonexistent/hf", "/tmp/out"], "/nonexistent/hf"),
     (["generate", "--tensor-parallel-size", "3"], "must divide the model's 4 attention heads"),
     (["generate", "--tensor-parallel-size", "2"], "needs that many devices"),  # the test process sees one CPU
+    (["serve", "--coordinator", "127.0.0.1:1234"], "go together"),
+    (["serve", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
+    (["serve", "--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+     "process_id must be in [0, 2)"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
     result = _jaxserve(*args)
@@ -40,6 +44,19 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message):
     # Progress bars may come first (the prompt is checked after start-up); the error is the one last line.
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("jaxserve: error: ") and message in last_line
+
+
+def test_process_group_flags_default_to_the_environment(monkeypatch):
+    from jaxserve.cli import _build_parser, _process_group
+
+    monkeypatch.setenv("JAXSERVE_COORDINATOR", "leader.svc:1234")
+    monkeypatch.setenv("JAXSERVE_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAXSERVE_PROCESS_ID", "3")
+    group = _process_group(_build_parser().parse_args(["serve", "--heartbeat-timeout", "7"]))
+    assert (group.coordinator, group.num_processes, group.process_id, group.heartbeat_timeout_s) == (
+        "leader.svc:1234", 4, 3, 7)
+    assert not group.is_leader
+    assert _process_group(_build_parser().parse_args(["serve", "--process-id", "0"])).is_leader
 
 
 def test_flags_override_the_preset():

@@ -21,8 +21,11 @@ def bytes_per_page(model: LlamaConfig, page_size: int, dtype, tensor_parallel_si
 
 
 def device_memory_stats() -> dict | None:
-    """The first device's allocator statistics; None where the backend keeps none (the CPU)."""
-    stats = jax.devices()[0].memory_stats()
+    """This process's first device's allocator statistics; None where the backend keeps none (the CPU).
+
+    Local, not global: another process's devices keep no statistics here.
+    """
+    stats = jax.local_devices()[0].memory_stats()
     return stats if stats and "bytes_limit" in stats else None
 
 

@@ -27,6 +27,7 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from jaxserve.engine.sequence import Sequence
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
+from jaxserve.parallel.process_group import smallest_across_processes
 from jaxserve.runner.host_sampler import SampledToken
 from jaxserve.runner.model_runner import (ModelRunner, PendingStep, PromptScores, RunnerConfig, SampledBatch,
                                           largest_step_workspace_bytes)
@@ -294,18 +295,22 @@ def _runner_config(config: EngineConfig, num_pages: int) -> RunnerConfig:
 
 
 def _pool_pages(model, config: EngineConfig) -> int:
-    """The pool's size; sized from device memory, it leaves room for the largest step's activation workspace."""
+    """The pool's size; sized from device memory, it leaves room for the largest step's activation workspace.
+
+    In a multi-process group every process takes the smallest count, so all compile the same programs.
+    """
     stats = device_memory_stats() if config.num_kv_pages is None and config.kv_cache_memory_gb is None else None
     workspace = 0
     if stats is not None:
         workspace = largest_step_workspace_bytes(model.config, model.graphdef, model.params, model.dtype,
                                                  _runner_config(config, num_pages=2), model.mesh)
-    return resolve_num_pages(model.config, model.dtype, page_size=config.page_size,
-                             tensor_parallel_size=model.mesh.size if model.mesh is not None else 1,
-                             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                             num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
-                             gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
-                             workspace_bytes=workspace, allocator_share=allocator_fraction())
+    pages = resolve_num_pages(model.config, model.dtype, page_size=config.page_size,
+                              tensor_parallel_size=model.mesh.size if model.mesh is not None else 1,
+                              max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                              num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
+                              gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
+                              workspace_bytes=workspace, allocator_share=allocator_fraction())
+    return smallest_across_processes(pages)
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
 Conversation = list[dict[str, Any]]
+
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -66,6 +69,22 @@ class LLM:
             async_scheduling=async_scheduling, max_tokens_policy=max_tokens_policy,
             attention_backend=resolved_backend, seed=seed,
         ), progress=use_tqdm_on_load)
+
+    @property
+    def is_follower(self) -> bool:
+        """In a multi-process group, a process other than 0: it runs process 0's steps, never requests of its own."""
+        return self.engine is not None and self.engine.runner.is_follower
+
+    def follow_leader(self) -> None:
+        """Follower: runs the steps process 0 broadcasts until process 0 calls `release_followers`."""
+        log.info("following the steps of process 0")
+        self.engine.runner.follow()
+        log.info("process 0 released its followers")
+
+    def release_followers(self) -> None:
+        """Process 0, when done: ends the other processes' `follow_leader` (nothing to do on one process)."""
+        if self.engine is not None:
+            self.engine.runner.stop_followers()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

@@ -5,6 +5,10 @@ that the CompileGuard raises (or logs). The KV pool lives here and is donated th
 dispatched asynchronously: `execute` returns at once with a `PendingStep`, whose sampled tokens start copying to
 the host right away, so the caller can schedule the next step while this one runs.
 
+With a mesh over several processes the runner steps in lockstep (jaxserve/runner/lockstep.py): on the leader
+`execute` also broadcasts each step's bucket and inputs, and the other processes run `follow`, which receives them
+and launches the same program.
+
 A step holding chunks that score prompt tokens (prompt_logprobs) runs the bucket's prompt-logits variant, which also
 returns, for every token of those chunks, the log-probability of the next prompt token; the host reads them back
 together with the samples.
@@ -31,8 +35,10 @@ from tqdm.auto import tqdm
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.paged_kv_cache import XLA_BACKEND, PagedKVCache
 from jaxserve.parallel import KV_POOL_SPEC, logits_partition_spec, make_tp_mesh
+from jaxserve.parallel.process_group import abort_group
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
+from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
 from jaxserve.runner.sampler import (SamplerOutput, SamplingRow, build_sampling_tensors, uses_penalties,
                                      uses_truncation)
@@ -162,6 +168,9 @@ class ModelRunner:
                                out_shardings=(self._replicated, self._pool_sharding))
         self._programs: dict[StepBucket, jax.stages.Compiled] = {}
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
+        # The per-step broadcast when the mesh spans processes; None on one process.
+        self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_arrays) if spans_processes(self.mesh)
+                         else None)
 
     def warm_up(self, progress: bool = True) -> None:
         """Compiles every bucket ahead of time, then arms the guard: no compile may follow.
@@ -176,6 +185,9 @@ class ModelRunner:
             for bucket, program in zip(buckets, tqdm(compiled, total=len(buckets), desc="compile", unit="program",
                                                      disable=not progress)):
                 self._programs[bucket] = program
+        if self._channel is not None:
+            with self.guard.watch():
+                self._channel.warm_up()
         self.guard.arm()
 
     def _lower(self, bucket: StepBucket) -> jax.stages.Lowered:
@@ -206,8 +218,11 @@ class ModelRunner:
     def replace_lost_pool(self) -> None:
         """After a failed step: a pool whose buffers the failed program consumed (donation) is replaced by zeros.
 
-        Its contents belonged to the requests the failure ended, so nothing of value is lost.
+        Its contents belonged to the requests the failure ended, so nothing of value is lost. In a lockstep group a
+        failed step leaves the followers out of step (or a peer is gone), so the group ends instead.
         """
+        if self._channel is not None:
+            abort_group("a step failed while the group ran in lockstep")
         if any(page.is_deleted() for page in jax.tree.leaves(self.pool)):
             self.pool = self._fresh_pool(self.pool.k_pages[0].dtype)
         self._last_rows = {}
@@ -221,13 +236,46 @@ class ModelRunner:
         # Host spans in profiler traces; the device side carries the step's own named scopes.
         with jax.profiler.TraceAnnotation("prepare"):
             bucket, host_arrays = self.prepare(chunks, rows)
-            arrays = jax.device_put(host_arrays, self._replicated)
+            if self._channel is not None:
+                self._channel.send_step(bucket, host_arrays)
+        result = self._run_program(bucket, host_arrays)
+        self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
+        return PendingStep(result, len(chunks), _prompt_spans(chunks, rows) if bucket.prompt_logits else ())
+
+    def _run_program(self, bucket: StepBucket, host_arrays: StepArrays) -> StepResult:
+        """Launches the bucket's program on the pool; the same call on every process of a lockstep group."""
         with jax.profiler.TraceAnnotation("step"):
+            arrays = self._to_devices(host_arrays)
             result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, arrays)
         self.bucket_counts[bucket] += 1
         self._last_tokens = result.last_tokens
-        self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
-        return PendingStep(result, len(chunks), _prompt_spans(chunks, rows) if bucket.prompt_logits else ())
+        return result
+
+    def _to_devices(self, host_arrays: StepArrays) -> StepArrays:
+        """The step's inputs, replicated over the mesh.
+
+        Over processes each one builds its addressable shards from its own copy (identical after the broadcast):
+        `device_put` would instead check that they agree with one more collective per array, every step.
+        """
+        if self._channel is None:
+            return jax.device_put(host_arrays, self._replicated)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self._replicated, x), host_arrays)
+
+    @property
+    def is_follower(self) -> bool:
+        """This process runs the leader's steps (`follow`) rather than scheduling its own."""
+        return self._channel is not None and not self._channel.is_leader
+
+    def follow(self) -> None:
+        """Follower: runs every step the leader broadcasts until the leader stops; results stay on the devices."""
+        while (step := self._channel.receive()) is not None:
+            with self.guard.watch():
+                self._run_program(*step)
+
+    def stop_followers(self) -> None:
+        """Leader: ends the followers' `follow` loops (nothing to do on one process)."""
+        if self._channel is not None and self._channel.is_leader:
+            self._channel.send_stop()
 
     def _step_arrays(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
                      bucket: StepBucket) -> StepArrays:

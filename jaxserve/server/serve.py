@@ -1,5 +1,8 @@
 """`jaxserve serve`: load the model, start the engine thread, run the app under Hypercorn until SIGTERM/SIGINT.
 
+In a multi-process group (jaxserve/parallel/process_group.py) every process loads the model the same way; process 0
+then serves and schedules, broadcasting each step, while the others only run the steps it broadcasts (no HTTP).
+
 Shutdown drains: the first signal makes every new request a 503 (and /health fail) while the requests in flight
 finish, streams included, for at most --drain-timeout seconds; then Hypercorn stops. A second signal cuts the wait.
 """
@@ -29,9 +32,13 @@ _CONNECTION_GRACE_S = 5.0
 def serve(settings: EngineSettings, config: ServerConfig) -> int:
     """Blocks until the server has shut down; returns the process exit code."""
     llm = LLM(**settings.llm_kwargs())
+    if llm.is_follower:  # process 0 serves HTTP
+        llm.follow_leader()
+        return 0
     context = ServerContext(engine=AsyncEngine(llm.engine), tokenizer=llm.tokenizer, config=config,
                             max_model_len=llm.max_model_len, vocab_size=llm.model.config.vocab_size)
     asyncio.run(_serve(context))
+    llm.release_followers()
     return 0
 
 

@@ -1,7 +1,7 @@
 """Tensor-parallel checks on 8 simulated CPU devices, printed as one JSON object on stdout's last line.
 
 Run by tests/test_tensor_parallel.py in a subprocess, because XLA_FLAGS must give 8 host devices before JAX starts
-(and the rest of the suite runs on one). Usage: python tests/tensor_parallel_probe.py WORK_DIR
+(and the rest of the suite runs on one). Usage: python -m tests.tensor_parallel_probe WORK_DIR (from the repository root)
 """
 
 import os

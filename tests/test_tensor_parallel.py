@@ -16,13 +16,13 @@ import pytest
 from jaxserve.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = ROOT / "tests" / "tensor_parallel_probe.py"
+PROBE = "tests.tensor_parallel_probe"  # run as a module from ROOT, so that it can import the tests' helpers
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     work = tmp_path_factory.mktemp("tensor_parallel")
-    done = subprocess.run([sys.executable, str(PROBE), str(work)], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", PROBE, str(work)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -137,6 +137,7 @@ class AsyncEngine:
             while True:
                 commands = self._next_commands(block=not self.engine.has_unfinished_requests())
                 if any(isinstance(c, _Stop) for c in commands):
+                    self.engine.shutdown()
                     return
                 for command in commands:
                     self._apply(command)

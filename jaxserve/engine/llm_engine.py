@@ -11,6 +11,7 @@ one prompt each computing it, fill each position once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceOf
@@ -140,6 +141,14 @@ class LLMEngine:
         self._deltas.clear()
         self.runner.replace_lost_pool()
         return aborted
+
+    def shutdown(self) -> None:
+        """Ends every request once the step on the device is done: no device work may outlive the engine (the
+        runtime aborts a process that exits while a step runs)."""
+        if self._in_flight is not None:
+            with contextlib.suppress(Exception):  # its results are dropped anyway; only its end matters
+                self._in_flight.step.fetch()
+        self.abort_all_requests()
 
     def pop_deltas(self) -> list[CompletionDelta]:
         """The streaming requests' new tokens since the last call, in the order they were generated."""

@@ -148,7 +148,9 @@ class LLMEngine:
         if self._in_flight is not None:
             with contextlib.suppress(Exception):  # its results are dropped anyway; only its end matters
                 self._in_flight.step.fetch()
-        self.abort_all_requests()
+            self._in_flight = None
+        for request_id in list(self._tracked):
+            self.abort_request(request_id)
 
     def pop_deltas(self) -> list[CompletionDelta]:
         """The streaming requests' new tokens since the last call, in the order they were generated."""

@@ -6,17 +6,16 @@ runner's `warm_up()` is never called, so nothing compiles. N requests with rando
 the scheduler is driven with fake sampled tokens (`update_from_output`) until every request is in steady decode.
 Then `--cycles` cycles are timed phase by phase, each phase being what the engine does per step:
 
-    schedule   Scheduler.schedule(): one decode token per running request
-    rows       the per-sequence SamplingRow the engine builds for the runner
-    prepare    ModelRunner.prepare(chunks, rows): bucket choice and padded numpy inputs (block tables, slots, ...)
+    schedule   Scheduler.schedule(): one decode token (and its SamplingRow) per running request
+    prepare    ModelRunner.prepare(schedule): bucket choice and padded numpy inputs (block tables, slots, ...)
     transfer   jax.device_put of those inputs, as the runner does before launching the step (the call's cost to the
                host; on a GPU the copies themselves are asynchronous)
     update     Scheduler.update_from_output() with a fake sampled token per sequence
     outputs    Sequence.append per sampled token: stop checks and incremental detokenization
 
-The product target (<= 1 ms at 256 sequences) is on schedule + rows + prepare, the numpy work between deciding a
-step and dispatching it; transfer, update and outputs are reported beside it because the host does them once per
-step as well. The rows phase is the engine's own `sampling_row` for every scheduled sequence.
+The product target (<= 1 ms at 256 sequences) is on schedule + prepare, the numpy work between deciding a step and
+dispatching it; transfer, update and outputs are reported beside it because the host does them once per step as
+well.
 Cycles here run schedule after update, so decode tokens are known ids; in the overlapped engine they are
 PENDING_TOKEN placeholders, which costs `prepare` one dictionary lookup per sequence more.
 
@@ -51,21 +50,20 @@ import jax
 import numpy as np
 
 from jaxserve.checkpoint import LoadedModel, load_model
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
 from jaxserve.runner.host_sampler import SampledToken
-from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
-from jaxserve.engine.llm_engine import sampling_row
-from jaxserve.runner.sampler import SamplingRow
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.schedule import SchedulerOutput
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 from bench_machine import machine_description
 
-PHASES = ("schedule", "rows", "prepare", "transfer", "update", "outputs")
-DISPATCH_PHASES = ("schedule", "rows", "prepare")  # the product target's span
+PHASES = ("schedule", "prepare", "transfer", "update", "outputs")
+DISPATCH_PHASES = ("schedule", "prepare")  # the product target's span
 TARGET_MS_AT_256 = 1.0
 OVERLAP_MODES = {"overlap on": True, "overlap off": False}
 
@@ -118,28 +116,21 @@ def pages_needed(args: argparse.Namespace, num_seqs: int) -> int:
 
 
 def build_host_bench(model: LoadedModel, tokenizer: Tokenizer, args: argparse.Namespace, num_seqs: int) -> HostBench:
-    num_pages = pages_needed(args, num_seqs)
-    scheduler = Scheduler(SchedulerConfig(
-        max_num_seqs=num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        page_size=args.block_size, num_pages=num_pages))
-    runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype, RunnerConfig(
-        max_num_seqs=num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        page_size=args.block_size, num_pages=num_pages))
+    config = EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, block_size=args.block_size,
+                          num_kv_pages=pages_needed(args, num_seqs))
+    scheduler = Scheduler(config)
+    runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype, config)
     rng = np.random.default_rng([args.seed, num_seqs])
     max_new = args.max_model_len - args.prompt_len
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     sequences = {}
     for i in range(num_seqs):
         prompt = tuple(int(t) for t in rng.integers(0, model.config.vocab_size, size=args.prompt_len))
-        scheduler.add_request(Request(f"seq-{i}", prompt, params, arrival_index=i, max_new_tokens=max_new))
+        scheduler.add_request(Request(f"seq-{i}", prompt, params, arrival_index=i, max_new_tokens=max_new,
+                                      eos_token_ids=tuple(tokenizer.eos_token_ids)))
         sequences[f"seq-{i}"] = Sequence(tokenizer, prompt, params, max_new)
     return HostBench(scheduler, runner, sequences, tuple(tokenizer.eos_token_ids), rng, model.config.vocab_size)
-
-
-def sampling_rows(bench: HostBench, schedule: SchedulerOutput) -> list[SamplingRow]:
-    """What the engine hands the runner for each scheduled sequence."""
-    return [sampling_row(bench.scheduler.get_request(s.request_id), bench.eos_token_ids, seed=0)
-            for s in schedule.sequences]
 
 
 def fake_samples(bench: HostBench, schedule: SchedulerOutput) -> dict[str, int]:
@@ -171,20 +162,18 @@ def timed_cycle(bench: HostBench, times: dict[str, list[float]]) -> None:
     t0 = clock()
     schedule = bench.scheduler.schedule()
     t1 = clock()
-    rows = sampling_rows(bench, schedule)
+    _, host_arrays = bench.runner.prepare(schedule)
     t2 = clock()
-    _, host_arrays = bench.runner.prepare(schedule.sequences, rows)
-    t3 = clock()
     jax.device_put(host_arrays)
-    t4 = clock()
+    t3 = clock()
     sampled = fake_samples(bench, schedule)
-    t5 = clock()
+    t4 = clock()
     bench.scheduler.update_from_output(schedule, sampled)
-    t6 = clock()
+    t5 = clock()
     append_outputs(bench, sampled)
-    t7 = clock()
-    # The fake sampling (t4..t5) stands in for the device and is not host overhead.
-    for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5, t7 - t6)):
+    t6 = clock()
+    # The fake sampling (t3..t4) stands in for the device and is not host overhead.
+    for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5)):
         times[phase].append(seconds)
 
 
@@ -210,7 +199,7 @@ def percentile_ms(samples: list[float], q: float) -> float:
 def summarize_host(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Median and p90 in ms per phase, and of the per-cycle sums (dispatch span, whole cycle)."""
     spans = {phase: times[phase] for phase in PHASES}
-    spans["schedule+rows+prepare"] = [sum(parts) for parts in zip(*(times[p] for p in DISPATCH_PHASES))]
+    spans["schedule+prepare"] = [sum(parts) for parts in zip(*(times[p] for p in DISPATCH_PHASES))]
     spans["whole cycle"] = [sum(parts) for parts in zip(*(times[p] for p in PHASES))]
     return {name: {"median_ms": percentile_ms(s, 50), "p90_ms": percentile_ms(s, 90)} for name, s in spans.items()}
 
@@ -219,7 +208,7 @@ def summarize_host(times: dict[str, list[float]]) -> dict[str, dict[str, float]]
 
 def decode_engine_config(async_scheduling: bool) -> EngineConfig:
     """Small shapes (few programs to compile) holding 8 decoding sequences."""
-    return EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, page_size=16,
+    return EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
                         num_kv_pages=256, async_scheduling=async_scheduling)
 
 
@@ -291,8 +280,8 @@ def measure_all_sizes(model: LoadedModel, tokenizer: Tokenizer,
     times = {}
     for num_seqs in args.num_seqs:
         times[num_seqs] = measure_host(model, tokenizer, args, num_seqs)
-        dispatch = summarize_host(times[num_seqs])["schedule+rows+prepare"]
-        print(f"{num_seqs} seqs: schedule+rows+prepare median {dispatch['median_ms']:.3f} ms", flush=True)
+        dispatch = summarize_host(times[num_seqs])["schedule+prepare"]
+        print(f"{num_seqs} seqs: schedule+prepare median {dispatch['median_ms']:.3f} ms", flush=True)
     return times
 
 
@@ -317,7 +306,7 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2))
     print(f"prompts of {args.prompt_len} tokens computed, max_model_len {args.max_model_len}, {args.cycles} cycles; "
           f"{report['machine']['device']} ({report['machine']['jax_backend']}), target <= {TARGET_MS_AT_256} ms at 256 "
-          "for schedule+rows+prepare")
+          "for schedule+prepare")
     if overlap is not None:
         print(format_overlap_table(overlap))
     print(format_host_table(host_summary))

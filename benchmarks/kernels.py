@@ -73,13 +73,13 @@ import numpy as np
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR, LoadedModel
 from jaxserve.checkpoint.builtin import random_params
 from jaxserve.checkpoint.param_tree import flat_arrays
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.config import PALLAS_BACKEND, XLA_BACKEND, EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import parse_dtype
-from jaxserve.model.paged_kv_cache import (NULL_PAGE, PALLAS_BACKEND, XLA_BACKEND, PagedAttentionMetadata,
-                                           paged_attention_reference, resolve_attention_backend)
+from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, paged_attention_reference
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.schedule import NULL_PAGE
 from jaxserve.tokenizer import load_tokenizer
 from kernels_pallas import (DecodeTuning, PrefillTuning, default_decode_tuning, default_prefill_tuning,
                             paged_decode_attention, paged_prefill_attention)
@@ -842,21 +842,15 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     return settings
 
 
-def engine_attention_backend(backend: str, interpret: bool) -> str:
-    """EngineConfig's attention_backend for "pallas" or "xla", resolved as LLM resolves a user's choice (the
-    interpreter applies to the kernel only)."""
-    return resolve_attention_backend(backend, interpret=interpret and backend != XLA_BACKEND,
-                                     platform=jax.default_backend())
-
-
 def engine_config(settings: EngineSettings, backend: str) -> EngineConfig:
     """Shapes sized for the largest batch, with exactly the pages it needs (nothing is sized from free memory,
     which the other engine process shares)."""
     pages = settings.max_batch * -(-settings.max_model_len // settings.page_size) + 1
     return EngineConfig(max_model_len=settings.max_model_len, max_num_seqs=settings.max_batch,
-                        max_num_batched_tokens=settings.max_num_batched_tokens, page_size=settings.page_size,
-                        num_kv_pages=pages, attention_backend=engine_attention_backend(backend, settings.interpret),
-                        seed=settings.seed)
+                        max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.page_size,
+                        num_kv_pages=pages, attention_backend=backend,
+                        # The interpreter applies to the kernel only.
+                        pallas_interpret=settings.interpret and backend != XLA_BACKEND, seed=settings.seed)
 
 
 def random_model(settings: EngineSettings) -> LoadedModel:
@@ -889,7 +883,7 @@ def start_engine(settings: EngineSettings, backend: str) -> dict[str, Any]:
     _ENGINE.update(engine=engine, settings=settings)
     config = model.config
     return {
-        "backend": engine.config.attention_backend, "startup_s": time.perf_counter() - start, "copy": copy,
+        "backend": engine.runner.attention_backend, "startup_s": time.perf_counter() - start, "copy": copy,
         "machine": machine_description(), "weight_bytes_per_step": weight_bytes_per_step(model),
         "layers": config.num_hidden_layers, "model_shape": dataclasses.asdict(AttentionShape(
             config.num_attention_heads, config.num_key_value_heads, config.head_dim, settings.page_size,

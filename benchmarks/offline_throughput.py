@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.checkpoint import load_model
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import load_tokenizer
@@ -138,7 +138,7 @@ def make_workload(args: argparse.Namespace, index: int, vocab_size: int) -> list
 def engine_configs(args: argparse.Namespace) -> dict[str, EngineConfig]:
     """One config per mode; they differ only in switches, never in shapes, so compiled programs are shared."""
     shapes = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           num_kv_pages=args.num_kv_pages, seed=args.seed)
     return {
         "continuous": shapes,

@@ -5,7 +5,7 @@ Two sides run the same prompts on the same engine settings (`--config`, default 
     http     `jaxserve serve` in a subprocess, started once, driven over HTTP with streamed /v1/completions requests
              (serve.py's request code); at concurrency C at most C requests are in flight, and a new one is sent as
              soon as one finishes
-    offline  `LLM(**settings.llm_kwargs())` in a subprocess of its own (every loaded XLA:CPU program holds hundreds
+    offline  `LLM.from_config(config)` in a subprocess of its own (every loaded XLA:CPU program holds hundreds
              of memory maps: one engine per process), running the prompts in batches of C, one `llm.generate(batch)`
              per batch (C = 1: one prompt at a time)
 
@@ -125,9 +125,9 @@ def build_llm(config: Path) -> None:
     """The worker process's initializer: the LLM every `generate_round` call there uses."""
     global _llm
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.settings import load_settings
+    from jaxserve.config import load_config
 
-    _llm = LLM(**load_settings(config, {}).llm_kwargs(), use_tqdm_on_load=False)
+    _llm = LLM.from_config(load_config(config, {}), use_tqdm_on_load=False)
 
 
 def generate_round(prompts: list[list[int]], output_len: int, batch_size: int) -> OfflineRun:

@@ -54,7 +54,7 @@ import numpy as np
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR, LoadedModel
 from jaxserve.checkpoint.builtin import BUILTIN_INIT_STD, sharded_random_params
 from jaxserve.checkpoint.param_tree import abstract_params
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.engine.kv_sizing import bytes_per_page, resolve_num_pages
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import ConfigError
@@ -248,7 +248,7 @@ def timing_engine_config(args: argparse.Namespace) -> EngineConfig:
     """Shapes just large enough for `batch` decoding sequences, so start-up compiles few programs (one token bucket;
     prompts are admitted in chunks)."""
     return EngineConfig(max_model_len=512, max_num_seqs=args.batch,
-                        max_num_batched_tokens=max(MIN_TOKEN_BUCKET, args.batch), page_size=16,
+                        max_num_batched_tokens=max(MIN_TOKEN_BUCKET, args.batch), block_size=16,
                         num_kv_pages=args.batch * 32 + 1, seed=args.seed)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from jaxserve.device_memory import claim_device_memory
 from jaxserve.errors import JaxserveError
-from jaxserve.settings import EngineSettings, load_settings
+from jaxserve.config import FIELD_NAMES, EngineConfig, flag_fields, flag_type, load_config
 
 DEMO_PROMPT = "The capital of France is"
 
@@ -73,29 +72,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags that override the YAML preset; None means 'keep the preset's value'."""
+    """--config and one flag per EngineConfig setting marked as a flag; None means 'keep the preset's value'."""
     parser.add_argument("--config", type=Path, help="YAML preset from configs/")
-    parser.add_argument("--model", help="HF or converted folder (default: the built-in tiny random model)")
-    parser.add_argument("--tokenizer", help="tokenizer folder, when not beside the weights")
-    parser.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--block-size", type=int, help="tokens per KV page (a power of two)")
-    parser.add_argument("--num-kv-pages", type=int)
-    parser.add_argument("--kv-cache-memory-gb", type=float)
-    parser.add_argument("--gpu-memory-utilization", type=float)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--attention-backend", help="paged attention: auto (default: pallas on a GPU, else xla), "
-                        "pallas (the Pallas kernel) or xla")
-    parser.add_argument("--pallas-interpret", action=argparse.BooleanOptionalAction, default=None,
-                        help="run the Pallas kernel through Pallas' interpreter (slow; on any device, CPU included)")
-    parser.add_argument("--tensor-parallel-size", type=int,
-                        help="split weights and KV cache over this many devices (default 1); must divide the "
-                        "number of attention heads")
-    parser.add_argument("--seed", type=int)
+    for field in flag_fields():
+        flag = "--" + field.name.replace("_", "-")
+        if flag_type(field.name) is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=field.metadata["help"])
+        else:
+            parser.add_argument(flag, type=flag_type(field.name), help=field.metadata["help"])
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -165,11 +150,10 @@ def _followed(llm) -> bool:
     return True
 
 
-def _engine_settings(args: argparse.Namespace):
-    overrides = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineSettings)}
-    settings = load_settings(args.config, overrides)
-    claim_device_memory(settings.gpu_memory_utilization)  # before anything imports JAX
-    return settings
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    config = load_config(args.config, {name: getattr(args, name) for name in FIELD_NAMES if hasattr(args, name)})
+    claim_device_memory(config.gpu_memory_utilization)  # before anything imports JAX
+    return config
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -181,15 +165,15 @@ def _serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_path:
             raise JaxserveError(f"two models given: {args.model_path} and --model {args.model}")
         args.model = args.model_path
-    settings = _engine_settings(args)
+    engine_config = _engine_config(args)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
-        served_model_name=args.served_model_name or _model_name(settings.model),
+        served_model_name=args.served_model_name or _model_name(engine_config.model),
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         profile_dir=args.profile_dir)
     _join_process_group(args)
-    return serve(settings, config)
+    return serve(engine_config, config)
 
 
 def _model_name(model: str | None) -> str:
@@ -200,12 +184,12 @@ def _generate(args: argparse.Namespace) -> int:
     from jaxserve.entrypoints.llm import LLM  # JAX loads only for commands that need it
     from jaxserve.sampling_params import SamplingParams
 
-    settings = _engine_settings(args)
+    config = _engine_config(args)
     # Cheap checks first: a typo must not wait for weights to load and programs to compile.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed)
     _join_process_group(args)
-    llm = LLM(**settings.llm_kwargs())
+    llm = LLM.from_config(config)
     if _followed(llm):  # process 0 generates and prints
         return 0
     prompts = args.prompt or [DEMO_PROMPT]
@@ -215,7 +199,7 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
     llm.release_followers()
-    if settings.model is None:
+    if config.model is None:
         print("(built-in tiny random model: its output is noise; pass --model DIR for real weights)", file=sys.stderr)
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
@@ -227,14 +211,14 @@ def _run_batch(args: argparse.Namespace) -> int:
     from jaxserve.entrypoints.batch_runner import run_batch
     from jaxserve.entrypoints.llm import LLM
 
-    settings = _engine_settings(args)
+    config = _engine_config(args)
     if not args.input_file.is_file():
         raise JaxserveError(f"batch input file not found: {args.input_file}")
     _join_process_group(args)
-    llm = LLM(**settings.llm_kwargs())
+    llm = LLM.from_config(config)
     if _followed(llm):  # process 0 reads the input and writes the results
         return 0
-    name = args.served_model_name or _model_name(settings.model)
+    name = args.served_model_name or _model_name(config.model)
     with _profiling(args.profile_dir):
         succeeded, failed = run_batch(llm, args.input_file, args.output_file, name)
     llm.release_followers()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.errors import ConfigError
-from jaxserve.settings import load_settings
+from jaxserve.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,8 +60,8 @@ def test_process_group_flags_default_to_the_environment(monkeypatch):
 
 
 def test_flags_override_the_preset():
-    settings = load_settings(REPO / "configs/tiny-cpu.yaml", {"max_num_seqs": 3, "dtype": None})
-    assert settings.max_num_seqs == 3 and settings.dtype == "float32" and settings.model is None
+    config = load_config(REPO / "configs/tiny-cpu.yaml", {"max_num_seqs": 3, "dtype": None})
+    assert config.max_num_seqs == 3 and config.dtype == "float32" and config.model is None
 
 
 @pytest.mark.parametrize("text, message", [
@@ -74,7 +74,7 @@ def test_bad_presets_name_the_problem(tmp_path, text, message):
     preset = tmp_path / "preset.yaml"
     preset.write_text(text)
     with pytest.raises(ConfigError, match=message):
-        load_settings(preset, {})
+        load_config(preset, {})
 
 
 def test_run_batch_and_profile_trace(tmp_path):

@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.checkpoint.builtin import BUILTIN_MODEL_DIR
+from jaxserve.config import PALLAS_BACKEND, EngineConfig, load_config
 from jaxserve.model.config import LlamaConfig
-from jaxserve.model.paged_kv_cache import ATTENTION_BACKENDS, PALLAS_BACKEND, PagedAttentionMetadata
+from jaxserve.model.paged_kv_cache import ATTENTION_BACKENDS, PagedAttentionMetadata
 from jaxserve.runner.buckets import BucketSet
-from jaxserve.runner.model_runner import RunnerConfig
-from jaxserve.settings import load_settings
 from kernels_pallas import default_decode_tuning, default_prefill_tuning, paged_decode_attention
 from tests.cuda_lowering import export_for_h100, triton_calls
 
@@ -43,7 +42,7 @@ class ServingSetup:
     kv_heads: int  # KV heads
     head_dim: int  # size of one head
     dtype: jnp.dtype  # of queries and the pool
-    runner: RunnerConfig  # bucket limits, page size and block-table width
+    runner: EngineConfig  # bucket limits, page size and block-table width
 
     def attention_shapes(self) -> list[tuple[int, int]]:
         """The distinct (num_tokens, num_seqs) of every bucket the runner compiles."""
@@ -51,7 +50,7 @@ class ServingSetup:
         return sorted({(bucket.num_tokens, bucket.num_seqs) for bucket in buckets})
 
     def pool(self) -> jax.ShapeDtypeStruct:  # f[kv_heads, POOL_PAGES, page_size, head_dim]
-        return jax.ShapeDtypeStruct((self.kv_heads, POOL_PAGES, self.runner.page_size, self.head_dim), self.dtype)
+        return jax.ShapeDtypeStruct((self.kv_heads, POOL_PAGES, self.runner.block_size, self.head_dim), self.dtype)
 
     def queries(self, num_tokens: int) -> jax.ShapeDtypeStruct:  # f[T, heads, head_dim]
         return jax.ShapeDtypeStruct((num_tokens, self.heads, self.head_dim), self.dtype)
@@ -62,18 +61,15 @@ class ServingSetup:
 
 def tiny_cpu_setup() -> ServingSetup:
     """configs/tiny-cpu.yaml's limits (other settings at their defaults) on the built-in model."""
-    settings = load_settings(REPO / "configs" / "tiny-cpu.yaml", {})
+    runner = load_config(REPO / "configs" / "tiny-cpu.yaml", {})
     model = LlamaConfig.from_json_file(BUILTIN_MODEL_DIR / "config.json")
-    runner = RunnerConfig(max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-                          max_model_len=settings.max_model_len, page_size=settings.block_size, num_pages=POOL_PAGES)
     return ServingSetup("tiny-cpu", model.num_attention_heads, model.num_key_value_heads, model.head_dim,
-                        jnp.dtype(settings.dtype), runner)
+                        jnp.dtype(runner.dtype), runner)
 
 
 def llama3_8b_setup() -> ServingSetup:
     """Llama-3-8B (32 query heads over 8 KV heads of 128) served in bfloat16 at a typical GPU configuration."""
-    runner = RunnerConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=8192, page_size=16,
-                          num_pages=POOL_PAGES)
+    runner = EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=8192, block_size=16)
     return ServingSetup("llama3-8b", 32, 8, 128, jnp.dtype(jnp.bfloat16), runner)
 
 
@@ -100,14 +96,14 @@ def test_engine_attention_lowers_at_every_bucket(setup: ServingSetup, num_tokens
     attend = functools.partial(ATTENTION_BACKENDS[PALLAS_BACKEND], scale=setup.head_dim ** -0.5)
     exported = export_for_h100(attend, setup.queries(num_tokens), setup.pool(), setup.pool(), metadata, tokens)
     tuning = default_prefill_tuning(num_tokens, num_seqs, setup.heads // setup.kv_heads,
-                                    setup.runner.max_pages_per_seq, setup.runner.page_size, setup.head_dim,
+                                    setup.runner.max_pages_per_seq, setup.runner.block_size, setup.head_dim,
                                     setup.dtype)
     assert_lowers_with_tuning(exported, tuning.kernel_name)
 
 
 @pytest.mark.parametrize("setup, num_seqs", DECODE_CASES)
 def test_decode_kernel_lowers_at_every_row_count(setup: ServingSetup, num_seqs: int):
-    tuning = default_decode_tuning(num_seqs, setup.kv_heads, setup.runner.max_pages_per_seq, setup.runner.page_size,
+    tuning = default_decode_tuning(num_seqs, setup.kv_heads, setup.runner.max_pages_per_seq, setup.runner.block_size,
                                    setup.head_dim, setup.dtype)
     attend = functools.partial(paged_decode_attention, sm_scale=setup.head_dim ** -0.5, tuning=tuning)
     exported = export_for_h100(attend, setup.queries(num_seqs), setup.pool(), setup.pool(),

@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.checkpoint import load_model
+from jaxserve.config import EngineConfig
 from jaxserve.device_memory import MEM_FRACTION_VARS, claim_device_memory
 from jaxserve.engine.kv_sizing import bytes_per_page, device_budget_bytes, resolve_num_pages
 from jaxserve.errors import ConfigError
-from jaxserve.runner.model_runner import RunnerConfig, largest_step_workspace_bytes
+from jaxserve.runner.model_runner import ModelRunner
 
 SIZES = dict(page_size=16, max_num_seqs=4, max_model_len=256)
 
@@ -54,14 +55,15 @@ def test_device_memory_budget_subtracts_weights_and_workspace(builtin):
     assert _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.5) == 400 + 1
     assert _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.5, workspace_bytes=50 * per_page) == 351
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
-        _pages(builtin, memory_stats=stats, gpu_memory_utilization=1.5)
+        EngineConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ConfigError, match="not enough for one page"):
         _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.1)
 
 
 def test_largest_step_workspace_is_measured_by_xla(builtin):
-    config = RunnerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, page_size=8, num_pages=2)
-    assert largest_step_workspace_bytes(builtin.config, builtin.graphdef, builtin.params, builtin.dtype, config) > 0
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=8)
+    runner = ModelRunner(builtin.config, builtin.graphdef, builtin.params, builtin.dtype, config)
+    assert runner.largest_step_workspace_bytes() > 0
 
 
 def test_utilization_is_a_share_of_the_device_not_of_the_allocator_limit():

@@ -7,7 +7,8 @@ import pytest
 
 
 @pytest.mark.parametrize("module", ["jaxserve.engine.scheduler", "jaxserve.engine.page_pool",
-                                    "jaxserve.engine.stop_strings", "jaxserve.tokenizer", "jaxserve.settings"])
+                                    "jaxserve.engine.stop_strings", "jaxserve.tokenizer", "jaxserve.config",
+                                    "jaxserve.schedule"])
 def test_module_imports_without_jax(module):
     code = f"import sys, {module}; sys.exit(1 if 'jax' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0, f"{module} imported JAX"

@@ -5,19 +5,19 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.scheduler_output import ScheduledSequence
 from jaxserve.runner.lockstep import Command, StepChannel
-from jaxserve.runner.sampler import SamplingRow
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.schedule import SamplingRow, ScheduledSequence, SchedulerOutput
 
 
 def _step(runner, params: SamplingParams, prompt_logprobs: bool = False):
     """A two-row step (a prefill chunk and a decode token) prepared as the leader would."""
-    chunks = [ScheduledSequence("a", (5, 6, 7), 0, (1,), samples=True, wants_prompt_logits=prompt_logprobs),
-              ScheduledSequence("b", (9,), 4, (2,), samples=True, wants_prompt_logits=False)]
     rows = [SamplingRow(params, prompt_ids=(5, 6, 7, 8), output_ids=[], eos_token_ids=(2,), seed=3, step=0),
             SamplingRow(params, prompt_ids=(1, 2, 3, 4), output_ids=[11], eos_token_ids=(2,), seed=4, step=1)]
-    return runner.prepare(chunks, rows)
+    chunks = (ScheduledSequence("a", (5, 6, 7), 0, (1,), samples=True, wants_prompt_logits=prompt_logprobs,
+                                sampling=rows[0]),
+              ScheduledSequence("b", (9,), 4, (2,), samples=True, wants_prompt_logits=False, sampling=rows[1]))
+    return runner.prepare(SchedulerOutput(step=0, sequences=chunks, num_batched_tokens=4))
 
 
 def _as_follower(channel: StepChannel, message: np.ndarray):

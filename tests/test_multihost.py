@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.settings import load_settings
+from jaxserve.config import load_config
 from tests.live_server import ROOT, TINY_CONFIG, LiveServer, _wait_until_ready, free_port
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ def two_process_server(tmp_dir: Path) -> Iterator[tuple[LiveServer, subprocess.P
 @pytest.fixture(scope="module")
 def single_process_llm() -> LLM:
     """The single-process offline engine (TP 1) with the group's settings."""
-    return LLM(**load_settings(TINY_CONFIG, ENGINE_FLAGS).llm_kwargs(), use_tqdm_on_load=False)
+    return LLM.from_config(load_config(TINY_CONFIG, ENGINE_FLAGS), use_tqdm_on_load=False)
 
 
 def _greedy_texts(llm: LLM, prompts: list[str]) -> list[str]:

@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.scheduler import PENDING_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.config import EngineConfig
+from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import ConfigError, InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.schedule import PENDING_TOKEN, SchedulerOutput
 
 VOCAB = 29
 EOS = 0
@@ -49,7 +51,7 @@ class FakeRunner:
     """Executes batches in order, as the device does: step N's writes land before step N+1 reads."""
 
     def __init__(self, scheduler: Scheduler, overlap: bool):
-        self.pool, self.page_size, self.overlap = scheduler.pool, scheduler.config.page_size, overlap
+        self.pool, self.page_size, self.overlap = scheduler.pool, scheduler.page_size, overlap
         self.kv: dict[int, list[int | None]] = {}  # page -> token id written at each slot
         self.truth: dict[str, list[int]] = {}  # prompt plus every token sampled for the request
         self.last_sample: dict[str, tuple[int, int]] = {}  # request -> (step, token) of its latest sample
@@ -92,7 +94,7 @@ class FakeRunner:
 class FakeEngine:
     """The engine loop: schedule, execute, then update (overlap: schedule N+1 before updating N)."""
 
-    def __init__(self, config: SchedulerConfig, overlap: bool = False):
+    def __init__(self, config: EngineConfig, overlap: bool = False):
         self.scheduler = Scheduler(config)
         self.runner = FakeRunner(self.scheduler, overlap)
         self.overlap = overlap
@@ -118,7 +120,7 @@ class FakeEngine:
             running_before = {rid for rid in self.added if self._status(rid) is RequestStatus.RUNNING}
             output = self.scheduler.schedule()
             self.outputs.append(output)
-            check_step(self.scheduler, output, self.added, self.runner.truth, running_before)
+            check_step(self.scheduler, output, self.added, running_before, self.runner.truth)
             sampled = self.runner.execute(output)
             for index in (aborts or {}).get(iteration, ()):
                 self.scheduler.abort_request(f"r{index}")  # with this step in flight
@@ -150,33 +152,33 @@ class FakeEngine:
         return sum(output.num_batched_tokens for output in self.outputs)
 
 
-def check_step(scheduler: Scheduler, output: SchedulerOutput, request_ids, truth, running_before: set) -> None:
-    config, pool = scheduler.config, scheduler.pool
+def check_step(scheduler: Scheduler, output: SchedulerOutput, request_ids, running_before: set, truth) -> None:
+    config, pool, num_pages = scheduler.config, scheduler.pool, scheduler.num_pages
     assert output.num_batched_tokens == sum(s.num_tokens for s in output.sequences)
     assert output.num_batched_tokens <= config.max_num_batched_tokens
     assert len(output.sequences) <= config.max_num_seqs
     assert len({s.request_id for s in output.sequences}) == len(output.sequences)
     for seq in output.sequences:
-        assert seq.num_tokens > 0 and all(1 <= page < config.num_pages for page in seq.page_ids)
+        assert seq.num_tokens > 0 and all(1 <= page < num_pages for page in seq.page_ids)
         assert seq.samples or config.enable_chunked_prefill  # without chunking a prompt goes whole
-    for request_id in output.preempted_ids:
-        request = scheduler.get_request(request_id)
-        assert request.status is RequestStatus.PREEMPTED and not request.page_ids
-    if output.preempted_ids:  # the pool is short: nobody is admitted, so no victim restarts at once
+    preempted = [scheduler.get_request(r) for r in running_before
+                 if scheduler.get_request(r) is not None and scheduler.get_request(r).status is RequestStatus.PREEMPTED]
+    assert all(not request.page_ids for request in preempted)
+    if preempted:  # the pool is short: nobody is admitted, so no victim restarts at once
         assert {seq.request_id for seq in output.sequences} <= running_before
     holders = collections.defaultdict(list)
     for request_id in request_ids:
         request = scheduler.get_request(request_id)
         for index, page in enumerate(request.page_ids if request else ()):
             holders[page].append((request, index))
-    for page in range(1, config.num_pages):
+    for page in range(1, num_pages):
         assert pool.refcount(page) == len(holders[page])
     for page, owners in holders.items():
         if len(owners) > 1:  # shared only through the prefix cache: same full prefix, computed by all
-            end = (owners[0][1] + 1) * config.page_size
+            end = (owners[0][1] + 1) * scheduler.page_size
             assert len({(index, tuple(truth[r.request_id][:end])) for r, index in owners}) == 1
             assert all(r.num_computed_tokens >= end for r, _ in owners)
-    assert pool.num_used + pool.num_free + pool.num_cached == config.num_pages - 1
+    assert pool.num_used + pool.num_free + pool.num_cached == num_pages - 1
 
 
 def assert_pool_drained(scheduler: Scheduler) -> None:
@@ -187,9 +189,9 @@ def assert_pool_drained(scheduler: Scheduler) -> None:
     assert not scheduler.has_unfinished_requests()
 
 
-def make_config(**overrides) -> SchedulerConfig:
-    fields = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, page_size=4, num_pages=64)
-    return SchedulerConfig(**{**fields, **overrides})
+def make_config(**overrides) -> EngineConfig:
+    fields = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48, block_size=4, num_kv_pages=64)
+    return EngineConfig(**{**fields, **overrides})
 
 
 @st.composite
@@ -209,8 +211,8 @@ def configs(draw, workload: list[Work], chunked: bool, caching: bool):
     page_size = 4
     tightest = 1 + max(-(-(len(w.prompt) + w.max_tokens - 1) // page_size) for w in workload)
     budget = draw(st.integers(6, 64) if chunked else st.integers(48, 64))
-    return make_config(max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=budget, page_size=page_size,
-                       num_pages=draw(st.integers(tightest, tightest + 6)), enable_chunked_prefill=chunked,
+    return make_config(max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=budget, block_size=page_size,
+                       num_kv_pages=draw(st.integers(tightest, tightest + 6)), enable_chunked_prefill=chunked,
                        enable_prefix_caching=caching)
 
 
@@ -246,8 +248,8 @@ def test_aborts_at_any_point_leak_no_pages(data, chunked, caching, overlap):
 @pytest.mark.parametrize("caching", [False, True])
 def test_tiny_pool_preempts_and_still_matches_the_unpreempted_run(overlap, caching):
     workload = [Work(tuple(range(i + 1, i + 9)), max_tokens=14) for i in range(4)]
-    roomy = FakeEngine(make_config(num_pages=64, enable_prefix_caching=caching), overlap)
-    tight = FakeEngine(make_config(num_pages=7, enable_prefix_caching=caching), overlap)
+    roomy = FakeEngine(make_config(num_kv_pages=64, enable_prefix_caching=caching), overlap)
+    tight = FakeEngine(make_config(num_kv_pages=7, enable_prefix_caching=caching), overlap)
     expected = roomy.run(workload)
     assert tight.run(workload) == expected
     assert roomy.scheduler.stats().num_preemptions == 0
@@ -256,14 +258,14 @@ def test_tiny_pool_preempts_and_still_matches_the_unpreempted_run(overlap, cachi
 
 
 def test_preemption_takes_the_newest_request_which_resumes_first():
-    scheduler = Scheduler(make_config(num_pages=4, max_model_len=16, enable_prefix_caching=False))
+    scheduler = Scheduler(make_config(num_kv_pages=4, max_model_len=16, enable_prefix_caching=False))
     for index in range(3):
         scheduler.add_request(Request(f"r{index}", (1, 2, 3, index + 4), SamplingParams(max_tokens=8), index))
     first = scheduler.schedule()  # each prompt fills one of the three pages
     assert [s.request_id for s in first.sequences] == ["r0", "r1", "r2"]
     scheduler.update_from_output(first, {"r0": 5, "r1": 6, "r2": 7})
     second = scheduler.schedule()  # each decode needs a second page: only one is free
-    assert second.preempted_ids == ("r2", "r1")
+    assert [scheduler.get_request(r).status for r in ("r1", "r2")] == [RequestStatus.PREEMPTED] * 2
     assert [s.request_id for s in second.sequences] == ["r0"]
     scheduler.update_from_output(second, {"r0": 8})
     scheduler.finish_request("r0", "stop")
@@ -325,7 +327,7 @@ def test_pages_filled_by_decoding_are_cached(overlap):
 
 def test_a_finished_request_keeps_its_first_pages_cached_longest():
     prompt = tuple(range(1, 13))
-    engine = FakeEngine(make_config(num_pages=4, max_model_len=16))
+    engine = FakeEngine(make_config(num_kv_pages=4, max_model_len=16))
     engine.run([Work(prompt, 1), Work((20, 21, 22), 1, arrival=5), Work(prompt, 1, arrival=10)])
     # The unrelated request evicted the finished one's last page, not its first two.
     assert engine.scheduler.stats().prefix_hit_tokens == 8
@@ -369,10 +371,6 @@ def test_finishing_with_a_step_in_flight_frees_pages_and_drops_late_results():
     scheduler.abort_request("a")
     scheduler.abort_request("never-added")
     assert_pool_drained(scheduler)
-    assert scheduler.schedule().finished_ids == ("a",)
-    scheduler.add_request(Request("b", (1, 2), SamplingParams(max_tokens=1), 1))
-    assert scheduler.schedule().finished_ids == ("a",)  # repeated until a batch the runner surely sees
-    assert scheduler.schedule().finished_ids == ()
 
 
 @pytest.mark.parametrize("prompt_len,max_tokens,num_pages,param", [
@@ -380,7 +378,7 @@ def test_finishing_with_a_step_in_flight_frees_pages_and_drops_late_results():
     (30, 1, 7, "prompt"), (20, 10, 7, "max_tokens"),
 ])
 def test_requests_that_can_never_run_are_refused(prompt_len, max_tokens, num_pages, param):
-    engine = FakeEngine(make_config(num_pages=num_pages))
+    engine = FakeEngine(make_config(num_kv_pages=num_pages))
     engine.add("ok-before", Work((1, 2, 3), 2))
     with pytest.raises(InvalidRequestError) as refused:
         engine.add("bad", Work(tuple(range(prompt_len)), max_tokens))
@@ -390,7 +388,7 @@ def test_requests_that_can_never_run_are_refused(prompt_len, max_tokens, num_pag
                                              "r0": reference_outputs((4, 5), 2)}
 
 
-@pytest.mark.parametrize("overrides", [dict(page_size=3), dict(num_pages=1), dict(max_num_seqs=0),
+@pytest.mark.parametrize("overrides", [dict(block_size=3), dict(num_kv_pages=1), dict(max_num_seqs=0),
                                        dict(max_num_batched_tokens=32, enable_chunked_prefill=False)])
 def test_invalid_configs_are_refused(overrides):
     with pytest.raises(ConfigError):
@@ -398,17 +396,17 @@ def test_invalid_configs_are_refused(overrides):
 
 
 def test_block_table_width_covers_the_longest_sequence():
-    assert make_config(max_model_len=48, page_size=16).max_pages_per_seq == 3
-    assert make_config(max_model_len=49, page_size=16).max_pages_per_seq == 4
+    assert make_config(max_model_len=48, block_size=16).max_pages_per_seq == 3
+    assert make_config(max_model_len=49, block_size=16).max_pages_per_seq == 4
 
 
 def test_static_batching_admits_no_request_while_a_batch_runs():
     from jaxserve.engine.request import Request as _Request
-    from jaxserve.engine.scheduler import Scheduler as _Scheduler, SchedulerConfig as _Config
+    from jaxserve.engine.scheduler import Scheduler as _Scheduler
     from jaxserve.sampling_params import SamplingParams as _Params
 
-    scheduler = _Scheduler(_Config(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32, page_size=4,
-                                   num_pages=32, static_batching=True))
+    scheduler = _Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32, block_size=4,
+                                        num_kv_pages=32, static_batching=True))
     for i, max_tokens in enumerate((2, 6, 2)):
         scheduler.add_request(_Request(f"r{i}", [5, 6, 7], _Params(max_tokens=max_tokens), i))
     admitted_late = set()

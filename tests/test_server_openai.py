@@ -9,7 +9,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.entrypoints.openai_body import completion_logprobs
 from jaxserve.outputs import Logprob
-from jaxserve.settings import load_settings
+from jaxserve.config import load_config
 from tests.live_server import TINY_CONFIG, running_server
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def oracle():
     """The offline engine with the server's settings (configs/tiny-cpu.yaml)."""
-    return LLM(**load_settings(TINY_CONFIG, {}).llm_kwargs(), use_tqdm_on_load=False)
+    return LLM.from_config(load_config(TINY_CONFIG, {}), use_tqdm_on_load=False)
 
 
 def _greedy(max_tokens, **kwargs):

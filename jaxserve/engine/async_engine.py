@@ -20,7 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.scheduler_output import SchedulerStats
+from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.errors import EngineDeadError, EngineStepError
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams

@@ -54,8 +54,6 @@ def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs
     elif kv_cache_memory_gb is not None:
         pages = int(kv_cache_memory_gb * 2**30 // per_page) + 1
     elif memory_stats is not None:
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         budget = (device_budget_bytes(memory_stats, gpu_memory_utilization, allocator_share)
                   - memory_stats.get("bytes_in_use", 0) - workspace_bytes)
         pages = int(budget // per_page) + 1

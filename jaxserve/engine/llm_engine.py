@@ -19,21 +19,22 @@ from collections.abc import Sequence as SequenceOf
 import jax
 import numpy as np
 
+from jaxserve.config import EngineConfig
 from jaxserve.device_memory import allocator_fraction
-from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.kv_sizing import device_memory_stats, resolve_num_pages
 from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.engine.sequence import Sequence
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
 from jaxserve.parallel.process_group import smallest_across_processes
 from jaxserve.runner.host_sampler import SampledToken
-from jaxserve.runner.model_runner import (ModelRunner, PendingStep, PromptScores, RunnerConfig, SampledBatch,
-                                          largest_step_workspace_bytes)
-from jaxserve.runner.sampler import SamplingRow, uses_penalties
+from jaxserve.runner.model_runner import ModelRunner, PendingStep, PromptScores, SampledBatch
+from jaxserve.runner.sampler import uses_penalties
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.schedule import SchedulerOutput
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -76,23 +77,17 @@ class LLMEngine:
     """Owns the scheduler and the model runner; `step()` advances every request by one iteration."""
 
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, progress: bool = True):
-        self.config = config
+        """`config` with max_model_len resolved (EngineConfig.with_model_limit); the pool is sized here."""
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         _enable_compilation_cache(config)
-        num_pages = _pool_pages(model, config)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, page_size=config.page_size, num_pages=num_pages,
-            enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
-            static_batching=config.static_batching,
-        ))
-        self.runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype,
-                                  _runner_config(config, num_pages), model.mesh)
+        self.runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype, config, model.mesh)
+        self.config = config.with_pool(_pool_pages(model, config, self.runner))
+        self.runner.allocate_pool(self.config.num_kv_pages)
+        self.scheduler = Scheduler(self.config)
         self.runner.warm_up(progress)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
-        self._seeds: dict[str, int] = {}
         self._arrivals = itertools.count()
         self._draw_seeds = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
@@ -115,10 +110,11 @@ class LLMEngine:
         tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
                            prompt_logprobs={}, stream=stream)
         for index, child in enumerate(children):
-            self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new))
+            self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new,
+                                               # As vLLM: continuation i draws with seed + i.
+                                               seed=base_seed + index, eos_token_ids=self.tokenizer.eos_token_ids))
             tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
             self._parent_of[child] = request_id
-            self._seeds[child] = base_seed + index  # as vLLM: continuation i draws with seed + i
         self._tracked[request_id] = tracked
 
     def abort_request(self, request_id: str) -> None:
@@ -177,7 +173,7 @@ class LLMEngine:
             finished = []
         with jax.profiler.TraceAnnotation("schedule"):
             schedule = self.scheduler.schedule()
-        dispatched = None if schedule.is_empty else _InFlight(schedule, self._dispatch(schedule))
+        dispatched = None if schedule.is_empty else _InFlight(schedule, self.runner.execute(schedule))
         if self._in_flight is not None:
             finished += self._complete(self._in_flight)
         self._in_flight = dispatched
@@ -188,13 +184,6 @@ class LLMEngine:
             uses_penalties(self.scheduler.get_request(child).params)
             for child in self._parent_of if self.scheduler.get_request(child) is not None
         )
-
-    def _dispatch(self, schedule: SchedulerOutput) -> PendingStep:
-        rows = [self._sampling_row(self.scheduler.get_request(s.request_id)) for s in schedule.sequences]
-        return self.runner.execute(schedule.sequences, rows)
-
-    def _sampling_row(self, request: Request) -> SamplingRow:
-        return sampling_row(request, self.tokenizer.eos_token_ids, self._seeds[request.request_id])
 
     def _complete(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Reads a step's samples back, hands them to the scheduler and to each sequence's output assembly."""
@@ -242,7 +231,6 @@ class LLMEngine:
 
     def _forget(self, child: str) -> None:
         self._parent_of.pop(child, None)
-        self._seeds.pop(child, None)
 
     def _check_prompt(self, ids: tuple[int, ...]) -> None:
         if not ids:
@@ -283,39 +271,20 @@ class LLMEngine:
                                       f"{params.top_k}", param="top_k")
 
 
-def sampling_row(request: Request, eos_token_ids: tuple[int, ...], seed: int) -> SamplingRow:
-    """What the runner needs of a request to sample its next token."""
-    return SamplingRow(params=request.params, prompt_ids=request.prompt_token_ids,
-                       # The live list, not a copy: the row becomes arrays before the request changes.
-                       output_ids=request.output_token_ids, eos_token_ids=eos_token_ids, seed=seed,
-                       step=request.num_output_tokens)
-
-
 def _sampled_token(batch: SampledBatch | PromptScores, row: int, num_top: int) -> SampledToken:
     top = tuple((int(t), float(lp)) for t, lp in zip(batch.top_ids[row, :num_top], batch.top_logprobs[row, :num_top]))
     return SampledToken(token_id=int(batch.token_ids[row]), logprob=float(batch.logprobs[row]),
                         rank=int(batch.ranks[row]), top=top)
 
 
-def _runner_config(config: EngineConfig, num_pages: int) -> RunnerConfig:
-    return RunnerConfig(
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len, page_size=config.page_size, num_pages=num_pages,
-        attention_backend=config.attention_backend, raise_on_compile=config.raise_on_compile,
-    )
-
-
-def _pool_pages(model, config: EngineConfig) -> int:
+def _pool_pages(model, config: EngineConfig, runner: ModelRunner) -> int:
     """The pool's size; sized from device memory, it leaves room for the largest step's activation workspace.
 
     In a multi-process group every process takes the smallest count, so all compile the same programs.
     """
     stats = device_memory_stats() if config.num_kv_pages is None and config.kv_cache_memory_gb is None else None
-    workspace = 0
-    if stats is not None:
-        workspace = largest_step_workspace_bytes(model.config, model.graphdef, model.params, model.dtype,
-                                                 _runner_config(config, num_pages=2), model.mesh)
-    pages = resolve_num_pages(model.config, model.dtype, page_size=config.page_size,
+    workspace = runner.largest_step_workspace_bytes() if stats is not None else 0
+    pages = resolve_num_pages(model.config, model.dtype, page_size=config.block_size,
                               tensor_parallel_size=model.mesh.size if model.mesh is not None else 1,
                               max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                               num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,

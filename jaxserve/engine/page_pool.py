@@ -15,7 +15,7 @@ import dataclasses
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-NULL_PAGE = 0  # target of padded block-table entries; never allocated
+from jaxserve.schedule import NULL_PAGE
 ROOT_KEY = 0  # parent key of a sequence's first page; no page is ever given this key
 
 PageKey = int  # interned id of one full page's exact content chain

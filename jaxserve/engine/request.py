@@ -6,10 +6,7 @@ import enum
 from collections.abc import Iterator, Sequence
 
 from jaxserve.sampling_params import SamplingParams
-
-# Stands for a token sampled on device in the previous step whose id the host has not read back yet; the runner
-# substitutes the sampled id before the model sees it.
-PENDING_TOKEN = -1
+from jaxserve.schedule import PENDING_TOKEN
 
 
 class RequestStatus(enum.Enum):
@@ -36,13 +33,16 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 arrival_index: int, max_new_tokens: int | None = None):
+                 arrival_index: int, max_new_tokens: int | None = None, *, seed: int = 0,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.params = params
         self.arrival_index = arrival_index  # FCFS priority: lower arrived earlier
         # The engine may cap params.max_tokens to the context left; this is the number actually generated at most.
         self.max_new_tokens = params.max_tokens if max_new_tokens is None else max_new_tokens
+        self.seed = seed  # of its draws: the request's own seed, or one the engine drew for it
+        self.eos_token_ids = eos_token_ids  # the tokenizer's EOS ids, which min_tokens holds back
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0

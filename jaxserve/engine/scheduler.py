@@ -34,69 +34,38 @@ from collections import deque
 from collections.abc import Mapping
 
 from jaxserve.engine.page_pool import ROOT_KEY, PagePool, PrefixMatch
-from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
-from jaxserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
-from jaxserve.errors import ConfigError, InvalidRequestError
-
-__all__ = ["PENDING_TOKEN", "Scheduler", "SchedulerConfig", "ScheduledSequence", "SchedulerOutput", "SchedulerStats"]
+from jaxserve.config import EngineConfig
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler_stats import SchedulerStats
+from jaxserve.errors import InvalidRequestError
+from jaxserve.schedule import SamplingRow, ScheduledSequence, SchedulerOutput
 
 _NO_PREFIX = PrefixMatch()
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    """Capacity limits of the scheduler; validated on creation."""
-
-    max_num_seqs: int  # most sequences running at once, hence in one step's batch
-    max_num_batched_tokens: int  # most tokens computed in one step, decode tokens and prefill chunks together
-    max_model_len: int  # most tokens, prompt plus outputs, in one sequence
-    page_size: int  # tokens per KV page; a power of two
-    num_pages: int  # pages in the KV pool, the reserved null page 0 included
-    enable_prefix_caching: bool = True  # reuse computed full pages of identical prefixes across requests
-    enable_chunked_prefill: bool = True  # split long prompts across steps; off: a prompt is computed whole or waits
-    static_batching: bool = False  # benchmark baseline: admit a new batch only once the previous one has finished
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.page_size & (self.page_size - 1):
-            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
-        if self.num_pages < 2:
-            raise ConfigError(f"num_pages must leave at least one page beside the null page, got {self.num_pages}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            # Otherwise a long prompt could never be scheduled whole.
-            raise ConfigError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                              f"must be at least max_model_len ({self.max_model_len})")
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        """Block table width: pages covering the longest sequence."""
-        return -(-self.max_model_len // self.page_size)
 
 
 @dataclasses.dataclass
 class _StepPlan:
     """The batch being built by one schedule() call."""
 
-    token_budget: int
-    sequences: list[ScheduledSequence] = dataclasses.field(default_factory=list)
-    preempted_ids: list[str] = dataclasses.field(default_factory=list)
+    token_budget: int  # tokens the step may still take
+    sequences: list[ScheduledSequence] = dataclasses.field(default_factory=list)  # the batch so far, in order
+    preempted: bool = False  # a running request lost its pages in this call
 
 
 class Scheduler:
     """Owns the waiting and running queues and turns them into one batch per step; pages come from `pool`."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.pool = PagePool(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self.max_model_len = config.require("max_model_len")
+        self.num_pages = config.require("num_kv_pages")
+        self.page_size = config.block_size
+        self.pool = PagePool(self.num_pages, self.page_size, config.enable_prefix_caching)
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # kept sorted by arrival_index
         self._next_step = 0
         self._steps_in_flight: set[int] = set()
-        self._finished_ids: list[str] = []
         self._num_preemptions = 0
         self._num_steps = 0
 
@@ -125,7 +94,7 @@ class Scheduler:
         # batch take several steps' token budgets to prefill.
         batch_in_progress = any(r.num_output_tokens for r in self._running)
         self._schedule_running(plan)
-        if not plan.preempted_ids and not (self.config.static_batching and batch_in_progress):
+        if not plan.preempted and not (self.config.static_batching and batch_in_progress):
             self._admit_waiting(plan)
         for scheduled in plan.sequences:
             self._register_full_pages(self._requests[scheduled.request_id])
@@ -161,7 +130,6 @@ class Scheduler:
         self._release_pages(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self._finished_ids.append(request_id)
 
     def abort_request(self, request_id: str) -> None:
         self.finish_request(request_id, "abort")
@@ -180,8 +148,8 @@ class Scheduler:
         )
 
     def _check_admissible(self, request: Request) -> None:
-        prompt_len, limit = request.num_prompt_tokens, self.config.max_model_len
-        usable_pages = self.config.num_pages - 1
+        prompt_len, limit = request.num_prompt_tokens, self.max_model_len
+        usable_pages = self.num_pages - 1
         if prompt_len == 0:
             raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
         if prompt_len >= limit:
@@ -225,7 +193,7 @@ class Scheduler:
             if request.num_tokens_to_compute == 0:
                 break  # its last output is sampled; it waits only for finish_request
             match = self._cached_prefix(request)
-            num_hit = match.num_pages * self.config.page_size
+            num_hit = match.num_pages * self.page_size
             num_new = self._chunk_size(request.num_tokens_to_compute - num_hit, plan.token_budget)
             new_pages = self._pages_for(num_hit + num_new) - match.num_pages
             if not num_new or new_pages > self.pool.num_allocatable - self.pool.num_evictable(match.page_ids):
@@ -238,15 +206,15 @@ class Scheduler:
         """Cached pages of the request's leading known tokens, leaving at least its last known token to compute."""
         if request.wants_prompt_logprobs:
             return _NO_PREFIX  # every prompt token must be computed to score it
-        max_pages = (request.num_known_tokens - 1) // self.config.page_size
-        pages = request.full_pages(self.config.page_size, max_pages)
+        max_pages = (request.num_known_tokens - 1) // self.page_size
+        pages = request.full_pages(self.page_size, max_pages)
         return self.pool.match_prefix(pages, num_queried_tokens=request.num_known_tokens)
 
     def _start_running(self, request: Request, match: PrefixMatch) -> None:
         self.pool.acquire_prefix(match)
         request.page_ids = list(match.page_ids)
         request.page_keys = list(match.keys)
-        request.num_computed_tokens = request.num_prefix_hit_tokens = match.num_pages * self.config.page_size
+        request.num_computed_tokens = request.num_prefix_hit_tokens = match.num_pages * self.page_size
         request.status = RequestStatus.RUNNING
         bisect.insort(self._running, request, key=lambda r: r.arrival_index)
 
@@ -263,17 +231,19 @@ class Scheduler:
             request.page_ids.extend(self.pool.allocate(missing_pages))
         request.num_computed_tokens = stop
         samples = stop == request.num_tokens
+        token_ids = request.token_ids(start, stop)
+        if samples:
+            request.append_pending_token()
         plan.sequences.append(ScheduledSequence(
             request_id=request.request_id,
-            token_ids=request.token_ids(start, stop),
+            token_ids=token_ids,
             start_position=start,
             page_ids=tuple(request.page_ids),
             samples=samples,
             # Logits at position p score prompt token p + 1; the last prompt position's logits are the sample's.
             wants_prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
+            sampling=_sampling_row(request),
         ))
-        if samples:
-            request.append_pending_token()
         plan.token_budget -= num_new
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -281,14 +251,14 @@ class Scheduler:
         self._release_pages(request)
         request.reset_for_recompute()
         self._waiting.appendleft(request)
-        plan.preempted_ids.append(request.request_id)
+        plan.preempted = True
         self._num_preemptions += 1
 
     def _register_full_pages(self, request: Request) -> None:
         """Offers the request's computed full pages of known tokens to the prefix cache, each once."""
         if not self.config.enable_prefix_caching:
             return
-        page_size = self.config.page_size
+        page_size = self.page_size
         num_full = min(request.num_computed_tokens, request.num_known_tokens) // page_size
         for index in range(len(request.page_keys), num_full):
             parent = request.page_keys[-1] if request.page_keys else ROOT_KEY
@@ -305,15 +275,20 @@ class Scheduler:
             step=self._next_step,
             sequences=tuple(plan.sequences),
             num_batched_tokens=sum(s.num_tokens for s in plan.sequences),
-            preempted_ids=tuple(plan.preempted_ids),
-            finished_ids=tuple(self._finished_ids),
         )
         self._next_step += 1
-        if plan.sequences:  # an empty output may never reach the runner, so it delivers nothing for good
-            self._finished_ids.clear()
+        if plan.sequences:
             self._steps_in_flight.add(output.step)
             self._num_steps += 1
         return output
 
     def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.page_size)
+        return -(-num_tokens // self.page_size)
+
+
+def _sampling_row(request: Request) -> SamplingRow:
+    """How the request's next token is drawn; built after its pending token is booked, so `step` counts it."""
+    return SamplingRow(params=request.params, prompt_ids=request.prompt_token_ids,
+                       # The live list, not a copy: the row becomes arrays before the request changes.
+                       output_ids=request.output_token_ids, eos_token_ids=request.eos_token_ids, seed=request.seed,
+                       step=request.num_output_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -12,14 +13,13 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxserve.checkpoint import LoadedModel, load_model
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.config import EngineConfig, config_from
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.prompts import (TokenizedPrompt, chat_prompt, check_prompt, normalize_prompts,
                                           params_per_prompt, tokenize_prompt)
 from jaxserve.errors import ConfigError, InvalidRequestError
-from jaxserve.model.paged_kv_cache import resolve_attention_backend
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.dense_decoder import DecodeRequest, DenseDecoder
 from jaxserve.sampling_params import SamplingParams
@@ -37,38 +37,29 @@ class LLM:
     tiny random model (its output is noise; it exists so that everything runs without weights).
     """
 
-    def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 block_size: int = 16, num_kv_pages: int | None = None, kv_cache_memory_gb: float | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, async_scheduling: bool = True,
-                 max_tokens_policy: str = "cap", attention_backend: str = "auto", pallas_interpret: bool = False,
-                 tensor_parallel_size: int = 1, seed: int = 0, reference_decoder: bool = False,
-                 use_tqdm_on_load: bool = True):
-        # Before loading: a mistyped backend must not wait for the weights.
-        resolved_backend = resolve_attention_backend(attention_backend, pallas_interpret, jax.default_backend())
-        self.model: LoadedModel = load_model(Path(model) if model is not None else None, dtype=dtype,
-                                             progress=use_tqdm_on_load, tensor_parallel_size=tensor_parallel_size)
-        self.tokenizer: Tokenizer = load_tokenizer(Path(tokenizer) if tokenizer is not None else self.model.model_dir)
-        self.max_model_len = _resolve_max_model_len(max_model_len, self.model.config.max_position_embeddings)
-        if max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    def __init__(self, model: str | Path | None = None, *, use_tqdm_on_load: bool = True, **settings: Any):
+        """`settings` are EngineConfig's fields, under vLLM's names (max_model_len, max_num_seqs, block_size, ...)."""
+        config = config_from({**settings, "model": model})
+        # Before loading: a backend that cannot run here must not wait for the weights.
+        config.attention_implementation(jax.default_backend())
+        self.model: LoadedModel = load_model(Path(config.model) if config.model is not None else None,
+                                             dtype=config.dtype, progress=use_tqdm_on_load,
+                                             tensor_parallel_size=config.tensor_parallel_size)
+        self.tokenizer: Tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer is not None
+                                                   else self.model.model_dir)
+        self.config = config.with_model_limit(self.model.config.max_position_embeddings)
         self._request_ids = itertools.count()
-        if reference_decoder:
-            # The simple dense-cache decoder the engine is tested against.
-            self._decoder = DenseDecoder(self.model.config, self.model.graphdef, self.model.params, self.model.dtype,
-                                         max_batch=max_num_seqs, seed=seed)
-            self.engine = None
-            return
-        self._decoder = None
-        self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(
-            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, page_size=block_size, num_kv_pages=num_kv_pages,
-            kv_cache_memory_gb=kv_cache_memory_gb, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            async_scheduling=async_scheduling, max_tokens_policy=max_tokens_policy,
-            attention_backend=resolved_backend, seed=seed,
-        ), progress=use_tqdm_on_load)
+        self.engine = LLMEngine(self.model, self.tokenizer, self.config, progress=use_tqdm_on_load)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, use_tqdm_on_load: bool = True) -> LLM:
+        """An LLM of a config built elsewhere (a preset with flags, by the command line)."""
+        return cls(use_tqdm_on_load=use_tqdm_on_load, **dataclasses.asdict(config))
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output of one sequence, the model's limit when none was asked for."""
+        return self.config.require("max_model_len")
 
     @property
     def is_follower(self) -> bool:
@@ -153,15 +144,6 @@ class LLM:
                           outputs=[s.to_output()], finished=True, prompt_logprobs=scored)
             for t, s, scored in zip(prompts, sequences, prompt_logprobs)
         ]
-
-
-def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
-    if requested is None:
-        return model_limit
-    if not 1 < requested <= model_limit:
-        raise ConfigError(f"max_model_len must be between 2 and the model's max_position_embeddings ({model_limit}), "
-                          f"got {requested}")
-    return requested
 
 
 def _as_conversations(messages: Any) -> list[Conversation]:

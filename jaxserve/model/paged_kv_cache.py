@@ -12,7 +12,8 @@ output.
 
 Attention sits behind `PagedAttentionFn`; the cache's static `attention_backend` names which implementation runs,
 so swapping in a kernel is a change of one string that jit sees as part of the cache's tree structure. Users pick
-auto, pallas or xla plus an interpret switch; `resolve_attention_backend` turns that into one of those names.
+auto, pallas or xla plus an interpret switch; `EngineConfig.attention_implementation` turns that into one of those
+names.
 
 With tensor parallelism the pool is split over KV heads (its `pool_sharding`), and the KV write and attention run
 inside `jax.shard_map` over that axis: each device writes and reads only its own KV heads, with the query heads
@@ -31,16 +32,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.errors import ConfigError
+from jaxserve.config import PALLAS_BACKEND, PALLAS_INTERPRET_BACKEND, XLA_BACKEND
 from kernels_pallas import default_prefill_tuning, paged_prefill_attention
 
-NULL_PAGE = 0  # the all-zero page: padded block-table entries point at it; no sequence owns it
 PADDING_SLOT = -1  # slot_mapping value of padding tokens; mapped past the pool's end so their writes are dropped
-XLA_BACKEND = "xla"  # the plain-jnp reference attention below
-PALLAS_BACKEND = "pallas"  # the Pallas kernel, compiled by Triton for NVIDIA GPUs
-PALLAS_INTERPRET_BACKEND = "pallas-interpret"  # the same kernel run by Pallas' interpreter, on any device
-# What users choose from (--attention-backend); auto picks the kernel where it compiles (a GPU), XLA elsewhere.
-ATTENTION_BACKEND_CHOICES = ("auto", PALLAS_BACKEND, XLA_BACKEND)
 # Query-key pairs per block of the reference's page loop: bounds its gathered K/V to this many slots per KV head.
 QUERY_KEY_PAIRS_PER_BLOCK = 1 << 15
 
@@ -201,32 +196,6 @@ ATTENTION_BACKENDS: types.MappingProxyType[str, PagedAttentionFn] = types.Mappin
     # The interpreted kernel lets the whole engine be tested through the kernel on a CPU.
     PALLAS_INTERPRET_BACKEND: _pallas_attention(interpret=True),
 })
-
-
-def resolve_attention_backend(name: str, interpret: bool, platform: str) -> str:
-    """The ATTENTION_BACKENDS entry for a user's choice: `name` from ATTENTION_BACKEND_CHOICES, `interpret` to run
-    the Pallas kernel through Pallas' interpreter, on JAX's default backend `platform` ("gpu", "cpu", "tpu").
-
-    auto means the kernel where Triton compiles it (a GPU) and XLA elsewhere; with interpret it means the
-    interpreted kernel anywhere. Raises ConfigError for an unknown name, for interpret with xla (there is no
-    kernel to interpret), and for the compiled kernel off a GPU (it would fail only later, at compile time).
-    """
-    if name not in ATTENTION_BACKEND_CHOICES:
-        raise ConfigError(f"unknown attention backend {name!r} (choose from {', '.join(ATTENTION_BACKEND_CHOICES)})")
-    if name == XLA_BACKEND:
-        if interpret:
-            raise ConfigError("pallas_interpret runs the Pallas kernel through Pallas' interpreter, so it does not "
-                              "apply to the xla attention backend; choose auto or pallas")
-        return XLA_BACKEND
-    if interpret:
-        return PALLAS_INTERPRET_BACKEND
-    if platform == "gpu":
-        return PALLAS_BACKEND
-    if name == PALLAS_BACKEND:
-        raise ConfigError(f"the pallas attention backend compiles through Triton for NVIDIA GPUs, but JAX runs on "
-                          f"{platform!r}; add pallas_interpret (--pallas-interpret) to run the kernel through "
-                          f"Pallas' interpreter, or choose xla")
-    return XLA_BACKEND
 
 
 @jax.tree_util.register_dataclass

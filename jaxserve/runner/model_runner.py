@@ -23,7 +23,6 @@ import functools
 import itertools
 import os
 from collections.abc import Sequence
-from typing import Protocol
 
 import jax
 import numpy as np
@@ -32,56 +31,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxserve.config import EngineConfig
 from jaxserve.model.config import LlamaConfig
-from jaxserve.model.paged_kv_cache import XLA_BACKEND, PagedKVCache
+from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.parallel import KV_POOL_SPEC, logits_partition_spec, make_tp_mesh
 from jaxserve.parallel.process_group import abort_group
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
-from jaxserve.runner.sampler import (SamplerOutput, SamplingRow, build_sampling_tensors, uses_penalties,
-                                     uses_truncation)
+from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors, uses_penalties, uses_truncation
 from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_step
-
-PENDING_TOKEN = -1  # a token id the previous step sampled on the device and the host has not seen yet
-
-
-@dataclasses.dataclass(frozen=True)
-class RunnerConfig:
-    """Sizes that fix the compiled shapes."""
-
-    max_num_seqs: int  # most sequences in one step
-    max_num_batched_tokens: int  # most tokens in one step
-    max_model_len: int  # longest sequence; sets the block-table width
-    page_size: int  # tokens per KV page
-    num_pages: int  # pages in the pool, the null page 0 included
-    # Which ATTENTION_BACKENDS entry attends (xla, pallas, pallas-interpret); resolve_attention_backend turns a
-    # user's auto|pallas|xla and interpret switch into one.
-    attention_backend: str = XLA_BACKEND
-    max_logprobs: int = 20  # top log-probabilities computed per row (requests ask for at most this many)
-    max_logit_bias: int = 64  # logit_bias entries per request
-    max_stop_ids: int = 16  # EOS plus stop_token_ids per request (masked while min_tokens is unmet)
-    raise_on_compile: bool = True  # a compile after warm-up raises (False: it is logged)
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
-
-
-class ScheduledChunk(Protocol):
-    """The runner's view of one scheduled sequence (the scheduler's ScheduledSequence has this shape)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]  # PENDING_TOKEN where the previous step's sample goes
-    start_position: int
-    page_ids: tuple[int, ...]
-    samples: bool
-    wants_prompt_logits: bool  # score the prompt token following each of this chunk's tokens
-
-    @property
-    def num_tokens(self) -> int: ...
-
+from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput
 
 @dataclasses.dataclass(frozen=True)
 class PromptScores:
@@ -146,17 +107,19 @@ class ModelRunner:
     """
 
     def __init__(self, model_config: LlamaConfig, graphdef: nnx.GraphDef, params: nnx.State, dtype,
-                 config: RunnerConfig, mesh: Mesh | None = None):
+                 config: EngineConfig, mesh: Mesh | None = None):
         self.config = config
         self.model_config = model_config
         self.params = params
+        self.dtype = dtype  # of the weights and the KV pool
         self.mesh = mesh if mesh is not None else make_tp_mesh(1)  # the weights' tensor-parallel mesh
+        self.attention_backend = config.attention_implementation(jax.default_backend())
         self._replicated = NamedSharding(self.mesh, P())
         self._pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
         self.buckets = BucketSet.for_limits(config.max_num_batched_tokens, config.max_num_seqs)
         self.guard = CompileGuard(raise_on_compile=config.raise_on_compile)
-        self._history_width = 1 << (config.max_model_len - 1).bit_length()
-        self.pool = self._fresh_pool(dtype)
+        self._history_width = 1 << (config.require("max_model_len") - 1).bit_length()
+        self.pool: PagedKVCache | None = None  # allocated once sized: allocate_pool
         self._last_tokens = jax.device_put(np.zeros(self.buckets.seq_sizes[-1], np.int32),
                                            self._replicated)  # i32[max_rows]
         self._last_rows: dict[str, int] = {}  # request id -> its row in the previous step's samples
@@ -172,6 +135,22 @@ class ModelRunner:
         self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_arrays) if spans_processes(self.mesh)
                          else None)
 
+    def largest_step_workspace_bytes(self) -> int:
+        """Temporary memory of the largest step (all tokens, all rows, full sampler) on one device, from XLA's
+        analysis of the (per-device, under tensor parallelism) program.
+
+        Compiled against a two-page pool (the workspace does not grow with the pool), before the real pool exists,
+        so the pool can be sized to what is left.
+        """
+        largest = self.buckets.select(self.config.max_num_batched_tokens, self.config.max_num_seqs, penalties=True,
+                                      truncation=True)
+        analysis = self._lower(largest, self._fresh_pool(num_pages=2)).compile().memory_analysis()
+        return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+
+    def allocate_pool(self, num_pages: int) -> None:
+        """The zeroed KV pool of `num_pages` pages (the null page included) that every step donates and gets back."""
+        self.pool = self._fresh_pool(num_pages)
+
     def warm_up(self, progress: bool = True) -> None:
         """Compiles every bucket ahead of time, then arms the guard: no compile may follow.
 
@@ -179,7 +158,7 @@ class ModelRunner:
         """
         buckets = self.buckets.all_buckets()
         with self.guard.watch():
-            lowered = [self._lower(bucket) for bucket in buckets]
+            lowered = [self._lower(bucket, self.pool) for bucket in buckets]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = pool.map(self._compile_watched, lowered)
             for bucket, program in zip(buckets, tqdm(compiled, total=len(buckets), desc="compile", unit="program",
@@ -190,30 +169,32 @@ class ModelRunner:
                 self._channel.warm_up()
         self.guard.arm()
 
-    def _lower(self, bucket: StepBucket) -> jax.stages.Lowered:
+    def _lower(self, bucket: StepBucket, pool: PagedKVCache) -> jax.stages.Lowered:
         arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
                               self._padding_arrays(bucket))
-        return self._jitted.lower(self.params, self.pool, self._last_tokens, arrays,
+        return self._jitted.lower(self.params, pool, self._last_tokens, arrays,
                                   num_top_logprobs=self.config.max_logprobs)
 
     def _compile_watched(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         with self.guard.watch():
             return lowered.compile()
 
-    def execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> PendingStep:
-        """Dispatches one step over `chunks` (with one sampling row each) and returns without waiting."""
+    def execute(self, schedule: SchedulerOutput) -> PendingStep:
+        """Dispatches the scheduled step and returns without waiting."""
         with self.guard.watch():
-            return self._execute(chunks, rows)
+            return self._execute(schedule)
 
-    def prepare(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> tuple[StepBucket, StepArrays]:
+    def prepare(self, schedule: SchedulerOutput) -> tuple[StepBucket, StepArrays]:
         """The bucket of this batch and its padded inputs as host arrays (pure numpy: the host's share of a step)."""
+        chunks = schedule.sequences
+        rows = [c.sampling for c in chunks]
         bucket = self.buckets.select(
             sum(c.num_tokens for c in chunks), len(chunks),
             penalties=any(uses_penalties(r.params) for r in rows),
             truncation=any(uses_truncation(r.params) for r in rows if not r.params.greedy),
             prompt_logits=any(c.wants_prompt_logits for c in chunks),
         )
-        return bucket, self._step_arrays(chunks, rows, bucket)
+        return bucket, self._step_arrays(chunks, bucket)
 
     def replace_lost_pool(self) -> None:
         """After a failed step: a pool whose buffers the failed program consumed (donation) is replaced by zeros.
@@ -224,23 +205,24 @@ class ModelRunner:
         if self._channel is not None:
             abort_group("a step failed while the group ran in lockstep")
         if any(page.is_deleted() for page in jax.tree.leaves(self.pool)):
-            self.pool = self._fresh_pool(self.pool.k_pages[0].dtype)
+            self.pool = self._fresh_pool(self.pool.num_pages)
         self._last_rows = {}
 
-    def _fresh_pool(self, dtype) -> PagedKVCache:
-        return PagedKVCache.zeros(self.model_config.num_hidden_layers, self.config.num_pages, self.config.page_size,
-                                  self.model_config.num_key_value_heads, self.model_config.head_dim, dtype,
-                                  attention_backend=self.config.attention_backend, pool_sharding=self._pool_sharding)
+    def _fresh_pool(self, num_pages: int) -> PagedKVCache:
+        return PagedKVCache.zeros(self.model_config.num_hidden_layers, num_pages, self.config.block_size,
+                                  self.model_config.num_key_value_heads, self.model_config.head_dim, self.dtype,
+                                  attention_backend=self.attention_backend, pool_sharding=self._pool_sharding)
 
-    def _execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> PendingStep:
+    def _execute(self, schedule: SchedulerOutput) -> PendingStep:
+        chunks = schedule.sequences
         # Host spans in profiler traces; the device side carries the step's own named scopes.
         with jax.profiler.TraceAnnotation("prepare"):
-            bucket, host_arrays = self.prepare(chunks, rows)
+            bucket, host_arrays = self.prepare(schedule)
             if self._channel is not None:
                 self._channel.send_step(bucket, host_arrays)
         result = self._run_program(bucket, host_arrays)
         self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
-        return PendingStep(result, len(chunks), _prompt_spans(chunks, rows) if bucket.prompt_logits else ())
+        return PendingStep(result, len(chunks), _prompt_spans(chunks) if bucket.prompt_logits else ())
 
     def _run_program(self, bucket: StepBucket, host_arrays: StepArrays) -> StepResult:
         """Launches the bucket's program on the pool; the same call on every process of a lockstep group."""
@@ -277,8 +259,7 @@ class ModelRunner:
         if self._channel is not None and self._channel.is_leader:
             self._channel.send_stop()
 
-    def _step_arrays(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
-                     bucket: StepBucket) -> StepArrays:
+    def _step_arrays(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket) -> StepArrays:
         layout = ChunkLayout.of(chunks)
         total = layout.num_tokens
         flat_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, total)
@@ -294,44 +275,44 @@ class ModelRunner:
         sample_index = np.zeros(bucket.num_seqs, np.int32)
         sample_index[: len(chunks)] = layout.last_token
         inputs = build_metadata(chunks, num_tokens=bucket.num_tokens, num_seqs=bucket.num_seqs,
-                                max_pages=self.config.max_pages_per_seq, page_size=self.config.page_size)
+                                max_pages=self.config.max_pages_per_seq, page_size=self.config.block_size)
         return StepArrays(token_ids=token_ids, pending_rows=pending_rows, positions=inputs.positions,
                           metadata=inputs.metadata, sample_index=sample_index,
-                          sampling=self._sampling_tensors(rows, bucket),
-                          prompt_targets=_prompt_targets(chunks, rows, bucket.num_tokens) if bucket.prompt_logits
+                          sampling=self._sampling_tensors(chunks, bucket),
+                          prompt_targets=_prompt_targets(chunks, bucket.num_tokens) if bucket.prompt_logits
                           else None)
 
-    def _sampling_tensors(self, rows: Sequence[SamplingRow], bucket: StepBucket):
+    def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket):
         return build_sampling_tensors(
-            rows, bucket.num_seqs, bias_width=self.config.max_logit_bias, stop_width=self.config.max_stop_ids,
+            [c.sampling for c in chunks], bucket.num_seqs, bias_width=self.config.max_logit_bias, stop_width=self.config.max_stop_ids,
             history_width=self._history_width, include_penalties=bucket.penalties,
             include_truncation=bucket.truncation,
         )
 
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""
-        return self._step_arrays([], [], bucket)
+        return self._step_arrays([], bucket)
 
 
-def _prompt_spans(chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> list[_PromptSpan]:
+def _prompt_spans(chunks: Sequence[ScheduledSequence]) -> list[_PromptSpan]:
     """The chunks that score prompt tokens, each with its tokens that have a following prompt token.
 
     The scheduler marks a chunk only while it starts before the prompt's last token, so each span has one at least.
     """
     spans, first = [], 0
-    for row, (chunk, sampling) in enumerate(zip(chunks, rows)):
+    for row, chunk in enumerate(chunks):
         if chunk.wants_prompt_logits:
-            count = min(chunk.num_tokens, len(sampling.prompt_ids) - 1 - chunk.start_position)
+            count = min(chunk.num_tokens, len(chunk.sampling.prompt_ids) - 1 - chunk.start_position)
             spans.append(_PromptSpan(row, first, chunk.start_position + 1, count))
         first += chunk.num_tokens
     return spans
 
 
-def _prompt_targets(chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow], num_tokens: int) -> np.ndarray:
+def _prompt_targets(chunks: Sequence[ScheduledSequence], num_tokens: int) -> np.ndarray:
     """i32[T]: the prompt token each scoring chunk's token predicts; 0 where nothing is scored."""
     targets = np.zeros(num_tokens, np.int32)
-    for span in _prompt_spans(chunks, rows):
-        scored = rows[span.row].prompt_ids[span.first_position:span.first_position + span.count]
+    for span in _prompt_spans(chunks):
+        scored = chunks[span.row].sampling.prompt_ids[span.first_position:span.first_position + span.count]
         targets[span.first_token:span.first_token + span.count] = scored
     return targets
 
@@ -342,19 +323,3 @@ def _span_scores(scores: SamplerOutput, span: _PromptSpan) -> PromptScores:
     return PromptScores(first_position=span.first_position, token_ids=scores.token_ids[tokens],
                         logprobs=scores.logprobs[tokens], ranks=scores.ranks[tokens],
                         top_ids=scores.top_ids[tokens], top_logprobs=scores.top_logprobs[tokens])
-
-
-def largest_step_workspace_bytes(model_config: LlamaConfig, graphdef: nnx.GraphDef, params: nnx.State, dtype,
-                                 config: RunnerConfig, mesh: Mesh | None = None) -> int:
-    """Temporary memory of the largest step (all tokens, all rows, full sampler) on one device, from XLA's analysis
-    of the (per-device, under tensor parallelism) program.
-
-    Compiled once against a small pool (the workspace does not grow with the pool), so the real pool can be sized
-    to what is left before any of it is allocated.
-    """
-    runner = ModelRunner(model_config, graphdef, params, dtype, config, mesh)
-    largest = runner.buckets.select(config.max_num_batched_tokens, config.max_num_seqs, penalties=True,
-                                    truncation=True)
-    analysis = runner._lower(largest).compile().memory_analysis()
-    return int(analysis.temp_size_in_bytes) if analysis is not None else 0
-

@@ -1,8 +1,8 @@
 """Host-side construction of a step's paged-attention inputs from the scheduled chunks, in plain numpy.
 
-The scheduler hands the runner, per sequence, where this step's chunk starts, how many tokens it has and the
-sequence's pages; `build_metadata` turns that into the fixed-shape arrays of `PagedAttentionMetadata` (padded to the
-step's buckets) and the token positions, ready for one `jax.device_put`.
+The scheduler hands the runner, per sequence (`ScheduledSequence`), where this step's chunk starts, how many tokens
+it has and the sequence's pages; `build_metadata` turns that into the fixed-shape arrays of `PagedAttentionMetadata`
+(padded to the step's buckets) and the token positions, ready for one `jax.device_put`.
 """
 
 from __future__ import annotations
@@ -10,28 +10,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Protocol
 
 import jax
 import numpy as np
 
-from jaxserve.model.paged_kv_cache import NULL_PAGE, PADDING_SLOT, PagedAttentionMetadata
-
-
-class ScheduledChunk(Protocol):
-    """One sequence's share of a step: tokens start_position .. start_position + num_tokens - 1.
-
-    The scheduler's `ScheduledSequence` has this shape, so its output can be passed as it is.
-    """
-
-    @property
-    def start_position(self) -> int: ...  # tokens of this sequence already in the cache (earlier chunks)
-
-    @property
-    def num_tokens(self) -> int: ...  # tokens computed this step: a prefill chunk, or 1 for a decode
-
-    @property
-    def page_ids(self) -> Sequence[int]: ...  # the sequence's pages in order, covering start_position + num_tokens
+from jaxserve.model.paged_kv_cache import PADDING_SLOT, PagedAttentionMetadata
+from jaxserve.schedule import NULL_PAGE, ScheduledSequence
 
 
 @jax.tree_util.register_dataclass
@@ -43,7 +27,7 @@ class PagedInputs:
     metadata: PagedAttentionMetadata  # numpy leaves: slot_mapping i32[T], token_seq i32[T], block_tables, seq_lens
 
 
-def build_metadata(chunks: Sequence[ScheduledChunk], *, num_tokens: int, num_seqs: int, max_pages: int,
+def build_metadata(chunks: Sequence[ScheduledSequence], *, num_tokens: int, num_seqs: int, max_pages: int,
                    page_size: int) -> PagedInputs:
     """Flatten the chunks (in order) into T = num_tokens tokens over S = num_seqs sequence rows.
 
@@ -89,7 +73,7 @@ class ChunkLayout:
     positions: np.ndarray  # i32[total]: every real token's position in its sequence
 
     @classmethod
-    def of(cls, chunks: Sequence[ScheduledChunk]) -> ChunkLayout:
+    def of(cls, chunks: Sequence[ScheduledSequence]) -> ChunkLayout:
         n = len(chunks)
         starts = np.fromiter((c.start_position for c in chunks), np.int32, n)
         counts = np.fromiter((c.num_tokens for c in chunks), np.int32, n)
@@ -107,7 +91,7 @@ class ChunkLayout:
         return self.first_token + self.counts - 1
 
 
-def _check_fits(layout: ChunkLayout, chunks: Sequence[ScheduledChunk], num_tokens: int, num_seqs: int,
+def _check_fits(layout: ChunkLayout, chunks: Sequence[ScheduledSequence], num_tokens: int, num_seqs: int,
                 max_pages: int, page_size: int) -> None:
     total = layout.num_tokens
     if total > num_tokens or len(chunks) > num_seqs:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.schedule import SamplingRow
 
 
 @jax.tree_util.register_dataclass
@@ -75,18 +76,6 @@ class SamplerOutput:
     ranks: jax.Array  # i32[S]: 1 + how many tokens were more likely
     top_ids: jax.Array  # i32[S, K]: the K most likely tokens, ties lowest id first
     top_logprobs: jax.Array  # f32[S, K]
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingRow:
-    """What the host knows of one row when it builds the batch's tensors."""
-
-    params: SamplingParams
-    prompt_ids: Sequence[int]  # the prompt (repetition penalty)
-    output_ids: Sequence[int]  # tokens generated so far (penalties, min_tokens)
-    eos_token_ids: Sequence[int]  # the tokenizer's EOS ids; min_tokens masks them unless ignore_eos
-    seed: int  # the request's seed, or one the engine drew for it
-    step: int  # distinct per draw of the row, e.g. how many tokens it has generated
 
 
 def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = None, *, bias_width: int | None = None,

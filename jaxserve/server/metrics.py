@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jaxserve.engine.async_engine import EngineEvent
-from jaxserve.engine.scheduler_output import SchedulerStats
+from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.outputs import CompletionDelta
 
 

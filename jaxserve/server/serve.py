@@ -16,11 +16,11 @@ import signal
 import hypercorn.asyncio
 import hypercorn.config
 
+from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.server.app import ServerContext, create_app
 from jaxserve.server.config import ServerConfig
-from jaxserve.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 _CONNECTION_GRACE_S = 5.0
 
 
-def serve(settings: EngineSettings, config: ServerConfig) -> int:
+def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Blocks until the server has shut down; returns the process exit code."""
-    llm = LLM(**settings.llm_kwargs())
+    llm = LLM.from_config(engine_config)
     if llm.is_follower:  # process 0 serves HTTP
         llm.follow_leader()
         return 0

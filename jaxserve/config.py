@@ -1,0 +1,239 @@
+"""`EngineConfig`: every setting of an engine, in one frozen dataclass validated on creation.
+
+Presets from configs/ (YAML), the command-line flags and `LLM(**kwargs)` all resolve into it, under vLLM's names
+(`--max-num-seqs` is `max_num_seqs`); the scheduler and the model runner read it as it is. Two values are known
+only once the model is loaded and the pool sized: `max_model_len` (None: the model's own limit) and `num_kv_pages`
+(None: sized from memory); `with_model_limit` and `with_pool` fill them in, and the scheduler and runner refuse a
+config where they are still missing.
+
+Each field's help text is its documentation and its flag's `--help`. Imports no JAX: the command line reads it
+before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxserve.errors import ConfigError
+
+DEFAULT_COMPILATION_CACHE = str(Path.home() / ".cache" / "jaxserve" / "xla")
+
+# How attention runs, as the runner and model name it: the plain-XLA paged attention, the Pallas kernel compiled by
+# Triton for NVIDIA GPUs, or the same kernel run by Pallas' interpreter (any device, slowly).
+XLA_BACKEND = "xla"
+PALLAS_BACKEND = "pallas"
+PALLAS_INTERPRET_BACKEND = "pallas-interpret"
+# What users choose from (--attention-backend); auto picks the kernel where it compiles (a GPU), XLA elsewhere.
+ATTENTION_BACKEND_CHOICES = ("auto", PALLAS_BACKEND, XLA_BACKEND)
+MAX_TOKENS_POLICIES = ("cap", "reject")
+
+
+def _setting(default: Any, help: str, *, flag: bool = True) -> Any:
+    """A field with its documentation; `flag` makes it a command-line flag (`--field-name`) as well."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What to load, how big the engine may grow, and which of its fast paths are on."""
+
+    # What to load.
+    model: str | None = _setting(None, "HF or converted Orbax folder (default: the built-in tiny random model)")
+    tokenizer: str | None = _setting(None, "tokenizer folder, when not beside the weights")
+    dtype: str = _setting("auto", "auto (the checkpoint's dtype on a GPU, float32 on the CPU), bfloat16, float16 "
+                          "or float32")
+    tensor_parallel_size: int = _setting(1, "split weights and KV cache over this many devices (default 1); must "
+                                         "divide the number of attention heads")
+
+    # Limits: they fix the compiled step shapes.
+    max_model_len: int | None = _setting(None, "longest prompt + output of one sequence (default: the model's "
+                                         "max_position_embeddings)")
+    max_num_seqs: int = _setting(16, "most sequences in one step")
+    max_num_batched_tokens: int = _setting(512, "most tokens (decode tokens and prefill chunks) in one step")
+    block_size: int = _setting(16, "tokens per KV page (a power of two)")
+
+    # The KV pool's size: explicit pages, else GiB per device, else a share of device memory.
+    num_kv_pages: int | None = _setting(None, "pages in the KV pool, the null page included (default: sized from "
+                                        "--kv-cache-memory-gb or device memory)")
+    kv_cache_memory_gb: float | None = _setting(None, "KV pool size in GiB per device")
+    gpu_memory_utilization: float = _setting(0.9, "share of each GPU's memory for weights, workspace and KV pool")
+
+    # Fast paths, each with a switch that turns it off.
+    enable_prefix_caching: bool = _setting(True, "reuse the KV pages of shared prompt prefixes")
+    enable_chunked_prefill: bool = _setting(True, "split long prompts over steps")
+    async_scheduling: bool = _setting(True, "schedule step N+1 while the device runs step N")
+    attention_backend: str = _setting("auto", "paged attention: auto (default: pallas on a GPU, else xla), pallas "
+                                      "(the Pallas kernel) or xla")
+    pallas_interpret: bool = _setting(False, "run the Pallas kernel through Pallas' interpreter (slow; on any "
+                                      "device, CPU included)")
+
+    # Requests.
+    seed: int = _setting(0, "seeds the draws of requests that bring no seed of their own")
+    max_tokens_policy: str = _setting("cap", "prompt + max_tokens beyond max_model_len: 'cap' max_tokens, or "
+                                      "'reject' the request", flag=False)
+    max_logprobs: int = _setting(20, "top log-probabilities computed per row; requests ask for at most this many",
+                                 flag=False)
+    max_logit_bias: int = _setting(64, "logit_bias entries per request", flag=False)
+    max_stop_ids: int = _setting(16, "EOS plus stop_token_ids per request (masked while min_tokens is unmet)",
+                                 flag=False)
+
+    # Start-up and guards.
+    compilation_cache_dir: str | None = _setting(DEFAULT_COMPILATION_CACHE, "JAX's persistent compilation cache; "
+                                                 "None turns it off", flag=False)
+    raise_on_compile: bool = _setting(True, "a compile after warm-up raises; False logs it", flag=False)
+    static_batching: bool = _setting(False, "benchmark baseline: no request joins until the running batch has "
+                                     "finished", flag=False)
+
+    def __post_init__(self):
+        for name in ("model", "tokenizer", "compilation_cache_dir"):
+            if isinstance(getattr(self, name), Path):  # folders may come as paths; the config keeps text
+                object.__setattr__(self, name, str(getattr(self, name)))
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name), _HINTS[field.name])
+        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
+                     "max_stop_ids"):
+            _check_at_least(name, getattr(self, name), 1)
+        _check_at_least("max_logit_bias", self.max_logit_bias, 0)
+        if self.max_model_len is not None:
+            _check_at_least("max_model_len", self.max_model_len, 2)
+        if self.num_kv_pages is not None:
+            # Page 0 is the null page, so a usable pool has two at least.
+            _check_at_least("num_kv_pages", self.num_kv_pages, 2)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"{_named('block_size')} must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ConfigError(f"{_named('kv_cache_memory_gb')} must be positive, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{_named('gpu_memory_utilization')} must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
+        if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ConfigError(f"max_tokens_policy must be one of {', '.join(MAX_TOKENS_POLICIES)}, got "
+                              f"{self.max_tokens_policy!r}")
+        self._check_attention_choice()
+        self._check_chunking()
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Block-table width: pages covering the longest sequence."""
+        return -(-self.require("max_model_len") // self.block_size)
+
+    def require(self, name: str) -> int:
+        """A value filled in once the model is loaded (max_model_len) or the pool sized (num_kv_pages)."""
+        value = getattr(self, name)
+        if value is None:
+            raise ConfigError(f"{name} is not resolved yet: with_model_limit and with_pool fill it in")
+        return value
+
+    def with_model_limit(self, max_position_embeddings: int) -> EngineConfig:
+        """max_model_len checked against the model's limit, or that limit when none was asked for."""
+        if self.max_model_len is None:
+            return dataclasses.replace(self, max_model_len=max_position_embeddings)
+        if self.max_model_len > max_position_embeddings:
+            raise ConfigError(f"{_named('max_model_len')} must be between 2 and the model's max_position_embeddings "
+                              f"({max_position_embeddings}), got {self.max_model_len}")
+        return self
+
+    def with_pool(self, num_kv_pages: int) -> EngineConfig:
+        """The config of an engine whose pool holds `num_kv_pages` pages (sized from memory when none was set)."""
+        return dataclasses.replace(self, num_kv_pages=num_kv_pages)
+
+    def attention_implementation(self, platform: str) -> str:
+        """The attention that runs on JAX's default backend `platform` ("gpu", "cpu", "tpu"): auto means the kernel
+        where Triton compiles it (a GPU) and XLA elsewhere, and with pallas_interpret the interpreted kernel
+        anywhere. The compiled kernel off a GPU is refused now rather than at compile time."""
+        if self.attention_backend == XLA_BACKEND:
+            return XLA_BACKEND
+        if self.pallas_interpret:
+            return PALLAS_INTERPRET_BACKEND
+        if platform == "gpu":
+            return PALLAS_BACKEND
+        if self.attention_backend == PALLAS_BACKEND:
+            raise ConfigError(f"the pallas attention backend compiles through Triton for NVIDIA GPUs, but JAX runs on "
+                              f"{platform!r}; add pallas_interpret (--pallas-interpret) to run the kernel through "
+                              f"Pallas' interpreter, or choose xla")
+        return XLA_BACKEND
+
+    def _check_attention_choice(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ConfigError(f"unknown attention backend {self.attention_backend!r} "
+                              f"(choose from {', '.join(ATTENTION_BACKEND_CHOICES)})")
+        if self.attention_backend == XLA_BACKEND and self.pallas_interpret:
+            raise ConfigError("pallas_interpret runs the Pallas kernel through Pallas' interpreter, so it does not "
+                              "apply to the xla attention backend; choose auto or pallas")
+
+    def _check_chunking(self) -> None:
+        # Without chunking a prompt is computed whole in one step, so the longest one must fit a step's budget.
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(f"without chunked prefill {_named('max_num_batched_tokens')} "
+                              f"({self.max_num_batched_tokens}) must be at least max_model_len ({self.max_model_len})")
+
+
+_HINTS = typing.get_type_hints(EngineConfig)
+FIELD_NAMES = tuple(_HINTS)
+
+
+def flag_fields() -> list[dataclasses.Field]:
+    """The settings that are also command-line flags, in declaration order."""
+    return [field for field in dataclasses.fields(EngineConfig) if field.metadata["flag"]]
+
+
+def flag_type(name: str) -> type:
+    """The type a flag's text converts to: the field's type without None."""
+    return next(t for t in typing.get_args(_HINTS[name]) or (_HINTS[name],) if t is not type(None))
+
+
+def load_config(config_file: Path | None, overrides: dict[str, Any]) -> EngineConfig:
+    """Preset values from `config_file` (YAML), replaced by every override that is not None."""
+    values = _read_preset(config_file) if config_file is not None else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return config_from(values)
+
+
+def config_from(values: dict[str, Any]) -> EngineConfig:
+    """An EngineConfig of these settings; an unknown name is a ConfigError that names it."""
+    unknown = [key for key in values if key not in _HINTS]
+    if unknown:
+        raise ConfigError(f"unknown setting {unknown[0]!r} (known: {', '.join(FIELD_NAMES)})")
+    return EngineConfig(**values)
+
+
+def _named(name: str) -> str:
+    """A setting as users write it: `LLM(...)` keyword and preset key, then the flag (where it has one)."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def _check_at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"{_named(name)} must be at least {minimum}, got {value}")
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    allowed = typing.get_args(hint) or (hint,)
+    if isinstance(value, bool):
+        ok = bool in allowed
+    elif isinstance(value, int) and float in allowed:
+        ok = True
+    else:
+        ok = isinstance(value, tuple(t for t in allowed if isinstance(t, type)))
+    if not ok:
+        raise ConfigError(f"setting {name!r} has the wrong type: {value!r}")
+
+
+def _read_preset(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of setting: value")
+    return data

@@ -1,0 +1,64 @@
+"""The scheduler → runner contract: what one step computes, as plain frozen dataclasses (no JAX).
+
+The engine's scheduler builds a `SchedulerOutput` each step and the model runner's `execute` takes it as it is;
+both import this module, so the record is declared once. A new per-sequence step input (an adapter id, draft
+tokens, a grammar state) is a new field of `ScheduledSequence`, filled by the scheduler and read by the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxserve.sampling_params import SamplingParams
+
+# Stands for a token sampled on device in the previous step whose id the host has not read back yet; the runner
+# substitutes the sampled id before the model sees it.
+PENDING_TOKEN = -1
+# The all-zero page: padded block-table entries point at it, the host pool never hands it out, and the device pool
+# keeps it zero, so padding reads zeros and a freed page never leaks into another request's output.
+NULL_PAGE = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """What the runner needs of a sequence to draw its next token."""
+
+    params: SamplingParams  # the request's sampling parameters
+    prompt_ids: Sequence[int]  # the prompt (repetition penalty, prompt_logprobs targets)
+    # Tokens generated so far (penalties, min_tokens): the request's live list, read when the step's arrays are
+    # built, right after scheduling.
+    output_ids: Sequence[int]
+    eos_token_ids: Sequence[int]  # the tokenizer's EOS ids; min_tokens masks them unless ignore_eos
+    seed: int  # the request's seed, or one the engine drew for it
+    step: int  # distinct per draw of the row: how many tokens the sequence has generated, this one included
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    """One request's share of a step: a run of consecutive tokens to compute (a prefill chunk or one decode token)."""
+
+    request_id: str  # the scheduler's id of the sequence
+    token_ids: tuple[int, ...]  # tokens to compute; PENDING_TOKEN where the id comes from the previous step's sample
+    start_position: int  # position of token_ids[0] in the sequence: tokens of it already in the cache
+    page_ids: tuple[int, ...]  # block table: exactly the pages covering positions [0, start_position + len(token_ids))
+    samples: bool  # all known tokens are computed after this chunk, so the last token's logits are sampled
+    wants_prompt_logits: bool  # return logits of every token of the chunk: it scores prompt tokens (prompt_logprobs)
+    sampling: SamplingRow  # how the sequence's next token is drawn (used when `samples`) and its prompt scored
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """One ragged batch: every sequence computed in one step, decode tokens and prefill chunks mixed."""
+
+    step: int  # increases by one per schedule() call; update_from_output() calls must come in this order
+    sequences: tuple[ScheduledSequence, ...]  # running requests first (oldest first), then newly admitted ones
+    num_batched_tokens: int  # sum of len(token_ids); at most max_num_batched_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences

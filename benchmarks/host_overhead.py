@@ -52,10 +52,10 @@ import numpy as np
 from jaxserve.checkpoint import LoadedModel, load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.logprobs import SampledToken
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
-from jaxserve.runner.host_sampler import SampledToken
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.schedule import SchedulerOutput

@@ -9,7 +9,7 @@ claims GPU memory). What is measured:
     decode    a grid of batch x context (GQA: --heads query heads over --kv-heads KV heads, --head-dim, pages of
               --page-size tokens). Per point: our Pallas decode kernel (`paged_decode_attention`), JAX's shipped
               `jax.experimental.pallas.ops.gpu.paged_attention`, our mixed kernel (`paged_prefill_attention`, what
-              the engine's pallas backend runs for every step) and the XLA path (`paged_attention_reference`, the
+              the engine's pallas backend runs for every step) and the XLA path (`paged_attention_xla`, the
               engine's xla backend). Achieved bandwidth = bytes the call must move (the KV slots of every page it
               reads, sum over sequences of ceil(len / page) * page * kv_heads * head_dim * 2 (K, V) * itemsize, plus
               q and the output) / time, as a fraction of the copy bandwidth; speed-ups against the shipped op and
@@ -77,7 +77,7 @@ from jaxserve.config import PALLAS_BACKEND, XLA_BACKEND, EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import parse_dtype
-from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, paged_attention_reference
+from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, paged_attention_xla
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.schedule import NULL_PAGE
 from jaxserve.tokenizer import load_tokenizer
@@ -471,7 +471,7 @@ def xla_attention(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positi
     """The engine's xla backend on one call's arguments (slot_mapping only places writes; attention ignores it)."""
     metadata = PagedAttentionMetadata(slot_mapping=positions, token_seq=token_seq, block_tables=block_tables,
                                       seq_lens=seq_lens)
-    return paged_attention_reference(q, k_pages, v_pages, metadata, positions, scale)
+    return paged_attention_xla(q, k_pages, v_pages, metadata, positions, scale)
 
 
 def checked_reference(inputs: PagedInputs, batch: Batch, scale: float) -> tuple[jax.Array, int]:

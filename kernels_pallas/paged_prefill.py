@@ -312,7 +312,7 @@ def paged_prefill_attention(
     """Causal paged attention of a flattened ragged batch (prefill chunks and decode tokens of many sequences).
 
     Token t attends over slots 0 .. min(positions[t] + 1, seq_lens[token_seq[t]]) - 1 of its sequence, with query
-    head i reading KV head i // (heads // kv_heads): the semantics of `paged_attention_reference`. Scores are
+    head i reading KV head i // (heads // kv_heads): the semantics of `paged_attention_xla`. Scores are
     q·k * sm_scale, then cap * tanh(score / cap) if `logits_soft_cap` is given; accumulation is float32. Tokens of a
     length-0 row (padding) get zeros. Block-table entries past the pages a query needs are never read as pages,
     and slots a query may not see never reach its output, whatever they hold (NaN included). `interpret=True` runs

@@ -115,7 +115,7 @@ def jaxserve_logits(loaded, tokens: np.ndarray) -> np.ndarray:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve.model.kv_cache import DenseKVCache
+    from jaxserve.reference.dense_kv_cache import DenseKVCache
 
     cfg = loaded.config
     batch, length = tokens.shape

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.reference.reference_llm import ReferenceLLM
 
 # One shape set for every engine here, so the compiled programs are shared through the persistent cache.
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
@@ -27,7 +28,7 @@ def _workload(seed=0, count=10):
 @pytest.fixture(scope="module")
 def reference_outputs():
     prompts, params = _workload()
-    llm = LLM(reference_decoder=True, **{k: v for k, v in ENGINE.items() if k in ("dtype", "max_model_len")})
+    llm = ReferenceLLM(**{k: v for k, v in ENGINE.items() if k in ("dtype", "max_model_len")})
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 

@@ -10,6 +10,7 @@ import torch  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR  # noqa: E402
+from jaxserve.reference.reference_llm import ReferenceLLM  # noqa: E402
 from tests.hf_models import save_tiny_hf_llama  # noqa: E402
 
 pytestmark = pytest.mark.parity
@@ -22,8 +23,9 @@ def test_greedy_tokens_match_hf_generate(tmp_path, style, engine):
     # vocab 512 so the built-in tokenizer can serve these checkpoints.
     hf_model = save_tiny_hf_llama(tmp_path, style, vocab_size=512)
     prompts = [list(np.random.default_rng(seed).integers(3, 512, size=n)) for seed, n in ((0, 7), (1, 19))]
-    llm = LLM(model=tmp_path, tokenizer=BUILTIN_MODEL_DIR, dtype="float32", max_model_len=128, max_num_seqs=2,
-              max_num_batched_tokens=32, reference_decoder=not engine, use_tqdm_on_load=False)
+    llm = (LLM if engine else ReferenceLLM)(model=tmp_path, tokenizer=BUILTIN_MODEL_DIR, dtype="float32",
+                                            max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
+                                            use_tqdm_on_load=False)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):

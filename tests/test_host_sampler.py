@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.runner.host_sampler import SamplingContext, log_softmax, process_logits, sample, sampling_probs
+from jaxserve.reference.host_sampler import SamplingContext, log_softmax, process_logits, sample, sampling_probs
 
 LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], dtype=np.float32))
 DRAWS = 4000

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedAttentionMetadata, paged_attention_reference
+from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, paged_attention_xla
+from jaxserve.schedule import NULL_PAGE
 from kernels_pallas import DecodeTuning, default_decode_tuning, paged_decode_attention, paged_decode_reference
 from kernels_pallas.common import MAX_DEFAULT_KEY_SLOTS, MAX_DEFAULT_TILE_BYTES, check_pool
 from kernels_pallas.paged_decode import MAX_DEFAULT_K_SPLITS, _split_block_tables
@@ -106,7 +107,7 @@ def test_matches_serving_reference_on_decode_metadata():
         block_tables=block_tables,
         seq_lens=lengths,
     )
-    expected = paged_attention_reference(q, k_pages, v_pages, metadata, jnp.maximum(lengths - 1, 0), 0.125)
+    expected = paged_attention_xla(q, k_pages, v_pages, metadata, jnp.maximum(lengths - 1, 0), 0.125)
     out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, sm_scale=0.125, tuning=TUNING,
                                  interpret=True)
     assert_matches(out, expected, jnp.float32)

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedAttentionMetadata, paged_attention_reference
+from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, paged_attention_xla
 from jaxserve.runner.paged_inputs import build_metadata
+from jaxserve.schedule import NULL_PAGE
 from kernels_pallas import paged_decode_reference
 from kernels_pallas.common import MAX_DEFAULT_KEY_SLOTS, MAX_DEFAULT_TILE_BYTES, MIN_DOT_DIM, check_pool
 from kernels_pallas.paged_prefill import (MAX_DEFAULT_ROWS, PrefillTuning, build_work_list, default_prefill_tuning,
@@ -109,7 +110,7 @@ def real_tokens() -> int:
 
 
 def reference(step: Step, scale: float) -> jax.Array:
-    return paged_attention_reference(step.q, step.k_pages, step.v_pages, step.metadata, step.positions, scale)
+    return paged_attention_xla(step.q, step.k_pages, step.v_pages, step.metadata, step.positions, scale)
 
 
 def assert_matches(actual: jax.Array, expected: jax.Array, dtype):

@@ -48,3 +48,13 @@ def test_imports_run_downward_only(layer):
     wrong = [(f.relative_to(root), m) for f in files for m in _imported_modules(f)
              if any(m == up or m.startswith(up + ".") for up in _FORBIDDEN[layer])]
     assert not wrong, f"upward imports: {wrong}"
+
+
+def test_the_product_never_imports_the_reference_oracles():
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "jaxserve"
+    files = sorted(f for f in package.rglob("*.py") if "reference" not in f.relative_to(package).parts)
+    wrong = [(f.relative_to(package), m) for f in files for m in _imported_modules(f)
+             if m == "jaxserve.reference" or m.startswith("jaxserve.reference.")]
+    assert files and not wrong, f"product modules importing jaxserve.reference: {wrong}"

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.engine.page_pool import NULL_PAGE, ROOT_KEY, PagePool
+from jaxserve.engine.page_pool import ROOT_KEY, PagePool
+from jaxserve.schedule import NULL_PAGE
 
 PAGE = 4
 

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.model.config import LlamaConfig
-from jaxserve.model.kv_cache import DenseKVCache, dense_causal_attention
-from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
-from jaxserve.model.paged_kv_cache import NULL_PAGE, PagedKVCache, paged_attention_reference, resolve_attention_backend
+from jaxserve.model.config import LlamaConfig
+from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.paged_kv_cache import PagedKVCache, paged_attention_xla
+from jaxserve.reference.dense_kv_cache import DenseKVCache, dense_causal_attention
 from jaxserve.runner.paged_inputs import PagedInputs, build_metadata
+from jaxserve.schedule import NULL_PAGE
 
 
 class Chunk(NamedTuple):
@@ -175,7 +177,7 @@ def test_reference_agrees_for_every_block_size(pages_per_block):
     batch = make_ragged_batch(seed=pages_per_block, group=2, head_dim=64, dtype=jnp.float32)
     _, pool = _write_and_attend(batch.pool, batch.q, batch.k, batch.v, jnp.asarray(batch.inputs.positions),
                                 scale=64**-0.5)
-    out = paged_attention_reference(batch.q, pool.k_pages[0], pool.v_pages[0], pool.metadata,
+    out = paged_attention_xla(batch.q, pool.k_pages[0], pool.v_pages[0], pool.metadata,
                                     jnp.asarray(batch.inputs.positions), 64**-0.5, pages_per_block=pages_per_block)
     _assert_close(out[: len(batch.expected_out)], batch.expected_out, jnp.float32)
 
@@ -238,7 +240,7 @@ def test_cache_refuses_unknown_backends_and_missing_metadata():
     ("xla", False, "gpu", "xla"),
 ])
 def test_attention_backend_choice_resolves_per_platform(name, interpret, platform, resolved):
-    assert resolve_attention_backend(name, interpret, platform) == resolved
+    assert _attention_on(name, interpret, platform) == resolved
 
 
 @pytest.mark.parametrize("name, interpret, platform, message", [
@@ -249,7 +251,11 @@ def test_attention_backend_choice_resolves_per_platform(name, interpret, platfor
 ])
 def test_attention_backend_choice_rejects_what_cannot_run(name, interpret, platform, message):
     with pytest.raises(ConfigError, match=message):
-        resolve_attention_backend(name, interpret, platform)
+        _attention_on(name, interpret, platform)
+
+
+def _attention_on(name: str, interpret: bool, platform: str) -> str:
+    return EngineConfig(attention_backend=name, pallas_interpret=interpret).attention_implementation(platform)
 
 
 # The model end to end: three sequences, their prompts prefilled in chunks, then decoded, through one pool.

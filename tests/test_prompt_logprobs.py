@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.reference.reference_llm import ReferenceLLM
 from jaxserve.runner.buckets import BucketSet
 from tests.hf_models import jaxserve_logits
 
@@ -35,7 +36,7 @@ def engine_llm():
 
 @pytest.fixture(scope="module")
 def reference_llm():
-    return LLM(reference_decoder=True, dtype="float32", max_model_len=64, use_tqdm_on_load=False)
+    return ReferenceLLM(dtype="float32", max_model_len=64)
 
 
 def _assert_well_formed(output, k):

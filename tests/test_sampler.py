@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.runner import host_sampler
-from jaxserve.runner.sampler import SamplingRow, build_sampling_tensors, sample
+from jaxserve.reference import host_sampler
+from jaxserve.runner.sampler import build_sampling_tensors, sample
+from jaxserve.schedule import SamplingRow
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 VOCAB = 64

@@ -22,7 +22,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.device_memory import allocator_fraction
 from jaxserve.engine.kv_sizing import device_memory_stats, resolve_num_pages
-from jaxserve.engine.logprobs import candidate_logprobs
+from jaxserve.engine.logprobs import SampledToken, candidate_logprobs
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_stats import SchedulerStats
@@ -30,7 +30,6 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
 from jaxserve.parallel.process_group import smallest_across_processes
-from jaxserve.runner.host_sampler import SampledToken
 from jaxserve.runner.model_runner import ModelRunner, PendingStep, PromptScores, SampledBatch
 from jaxserve.runner.sampler import uses_penalties
 from jaxserve.sampling_params import SamplingParams

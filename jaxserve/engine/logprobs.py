@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxserve.outputs import Logprob
-from jaxserve.runner.host_sampler import SampledToken
 from jaxserve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledToken:
+    """One sampled (or scored prompt) token and the log-probabilities reported with it."""
+
+    token_id: int  # the chosen token
+    logprob: float  # its log-probability under the unmodified distribution
+    rank: int  # 1 + how many tokens were more likely
+    top: tuple[tuple[int, float], ...]  # (id, logprob) of the most likely tokens, as many as requested
 
 
 def candidate_logprobs(token: SampledToken, tokenizer: Tokenizer) -> dict[int, Logprob]:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from jaxserve.engine.logprobs import candidate_logprobs
+from jaxserve.engine.logprobs import SampledToken, candidate_logprobs
 from jaxserve.engine.stop_strings import StopStringMatcher
 from jaxserve.outputs import CompletionOutput, Logprob
-from jaxserve.runner.host_sampler import SampledToken
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -15,13 +15,10 @@ from tqdm.auto import tqdm
 from jaxserve.checkpoint import LoadedModel, load_model
 from jaxserve.config import EngineConfig, config_from
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.logprobs import candidate_logprobs
-from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.prompts import (TokenizedPrompt, chat_prompt, check_prompt, normalize_prompts,
                                           params_per_prompt, tokenize_prompt)
-from jaxserve.errors import ConfigError, InvalidRequestError
+from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
-from jaxserve.runner.dense_decoder import DecodeRequest, DenseDecoder
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -39,17 +36,20 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, use_tqdm_on_load: bool = True, **settings: Any):
         """`settings` are EngineConfig's fields, under vLLM's names (max_model_len, max_num_seqs, block_size, ...)."""
-        config = config_from({**settings, "model": model})
+        self._load(config_from({**settings, "model": model}), use_tqdm_on_load)
+        self.engine = LLMEngine(self.model, self.tokenizer, self.config, progress=use_tqdm_on_load)
+
+    def _load(self, config: EngineConfig, progress: bool) -> None:
+        """The weights and tokenizer of `config`, and the config with the model's length limit filled in."""
         # Before loading: a backend that cannot run here must not wait for the weights.
         config.attention_implementation(jax.default_backend())
         self.model: LoadedModel = load_model(Path(config.model) if config.model is not None else None,
-                                             dtype=config.dtype, progress=use_tqdm_on_load,
+                                             dtype=config.dtype, progress=progress,
                                              tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer: Tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer is not None
                                                    else self.model.model_dir)
         self.config = config.with_model_limit(self.model.config.max_position_embeddings)
         self._request_ids = itertools.count()
-        self.engine = LLMEngine(self.model, self.tokenizer, self.config, progress=use_tqdm_on_load)
 
     @classmethod
     def from_config(cls, config: EngineConfig, use_tqdm_on_load: bool = True) -> LLM:
@@ -99,8 +99,6 @@ class LLM:
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         for prompt in prompts:
             check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
-        if self.engine is None:
-            return self._run_reference(prompts, params, use_tqdm)
         ids = [str(next(self._request_ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
@@ -116,34 +114,6 @@ class LLM:
                     results[output.request_id] = output
                     bar.update()
         return [results[request_id] for request_id in ids]
-
-    def _run_reference(self, prompts: list[TokenizedPrompt], params: list[SamplingParams],
-                       use_tqdm: bool) -> list[RequestOutput]:
-        for p in params:
-            if p.n > 1:
-                raise InvalidRequestError("the reference decoder does not support n > 1", param="n")
-        eos = self.tokenizer.eos_token_ids
-        budgets = [min(p.max_tokens, self.max_model_len - len(t.token_ids)) for t, p in zip(prompts, params)]
-        sequences = [GeneratingSequence(self.tokenizer, t.token_ids, p, n) for t, p, n in zip(prompts, params, budgets)]
-        requests = [DecodeRequest(t.token_ids, p, n, eos) for t, p, n in zip(prompts, params, budgets)]
-        # None for the first prompt token (nothing predicts it); the decoder reports the others.
-        prompt_logprobs = [[None] if p.prompt_logprobs is not None else None for p in params]
-
-        def on_prompt_scores(index, scores) -> None:
-            prompt_logprobs[index] += [candidate_logprobs(token, self.tokenizer) for token in scores]
-
-        with tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            def on_token(index, token) -> bool:
-                sequence = sequences[index]
-                sequence.append(token)
-                bar.update(int(sequence.finished))
-                return sequence.finished
-            self._decoder.decode(requests, on_token, on_prompt_scores)
-        return [
-            RequestOutput(request_id=str(next(self._request_ids)), prompt=t.text, prompt_token_ids=t.token_ids,
-                          outputs=[s.to_output()], finished=True, prompt_logprobs=scored)
-            for t, s, scored in zip(prompts, sequences, prompt_logprobs)
-        ]
 
 
 def _as_conversations(messages: Any) -> list[Conversation]:

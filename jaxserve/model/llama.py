@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.config import LlamaConfig
-from jaxserve.model.kv_cache import DenseKVCache
+from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
@@ -66,7 +66,7 @@ class Attention(nnx.Module):
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = hd
 
-    def __call__(self, x, cos, sin, positions, cache: DenseKVCache):
+    def __call__(self, x, cos, sin, positions, cache: KVCache):
         batch, tokens, _ = x.shape
         q = self.q_proj(x).reshape(batch, tokens, self.heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, tokens, self.kv_heads, self.head_dim)
@@ -98,7 +98,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, init_std=init_std)
 
-    def __call__(self, x, cos, sin, positions, cache: DenseKVCache):
+    def __call__(self, x, cos, sin, positions, cache: KVCache):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), cache
@@ -116,7 +116,7 @@ class LlamaModel(nnx.Module):
         self.rope = cfg.rope
         self.head_dim = cfg.head_dim
 
-    def __call__(self, tokens, positions, cache: DenseKVCache):
+    def __call__(self, tokens, positions, cache: KVCache):
         # A trace-time numpy constant, so it never becomes a parameter.
         cos, sin = rotary_cos_sin(positions, inverse_frequencies(self.rope, self.head_dim))
         x = self.embed_tokens(tokens)
@@ -141,8 +141,8 @@ class LlamaForCausalLM(nnx.Module):
         self,
         tokens: jax.Array,  # i32[batch, tokens]
         positions: jax.Array,  # i32[batch, tokens]
-        cache: DenseKVCache,
-    ) -> tuple[jax.Array, DenseKVCache]:  # f[batch, tokens, hidden], updated cache
+        cache: KVCache,
+    ) -> tuple[jax.Array, KVCache]:  # f[batch, tokens, hidden], updated cache
         return self.model(tokens, positions, cache)
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # f32[..., vocab] from f[..., hidden]

@@ -76,7 +76,7 @@ class PagedAttentionFn(Protocol):
         ...
 
 
-def paged_attention_reference(
+def paged_attention_xla(
     q: jax.Array,  # f[T, heads, head_dim], already rotated
     k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
@@ -191,7 +191,7 @@ def _pallas_attention(interpret: bool) -> PagedAttentionFn:
 
 
 ATTENTION_BACKENDS: types.MappingProxyType[str, PagedAttentionFn] = types.MappingProxyType({
-    XLA_BACKEND: paged_attention_reference,
+    XLA_BACKEND: paged_attention_xla,
     PALLAS_BACKEND: _pallas_attention(interpret=False),
     # The interpreted kernel lets the whole engine be tested through the kernel on a CPU.
     PALLAS_INTERPRET_BACKEND: _pallas_attention(interpret=True),

@@ -1,1 +1,1 @@
-"""Runs the model on devices: the dense reference decoder now, the paged step later."""
+"""Runs the model on devices: bucketed padded inputs, the AOT-compiled paged step, on-device sampling."""

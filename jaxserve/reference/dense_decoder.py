@@ -18,8 +18,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.config import LlamaConfig
-from jaxserve.model.kv_cache import DenseKVCache
-from jaxserve.runner.host_sampler import SampledToken, SamplingContext, describe_token, sample
+from jaxserve.engine.logprobs import SampledToken
+from jaxserve.reference.dense_kv_cache import DenseKVCache
+from jaxserve.reference.host_sampler import SamplingContext, describe_token, sample
 from jaxserve.sampling_params import SamplingParams
 
 MIN_TOKEN_BUCKET = 16  # smallest padded prompt length

@@ -1,4 +1,5 @@
-"""Token sampling on the host in numpy: the plain reference the on-device sampler is checked against.
+"""Token sampling on the host in numpy: the plain reference the on-device sampler (runner/sampler.py) is checked
+against.
 
 The order of operations is vLLM v1's (`vllm/v1/sample/sampler.py`):
 
@@ -16,17 +17,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxserve.engine.logprobs import SampledToken
 from jaxserve.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class SampledToken:
-    """One sampled token and the log-probabilities reported with it."""
-
-    token_id: int  # the chosen token
-    logprob: float  # its log-probability under the unmodified distribution
-    rank: int  # 1 + how many tokens were more likely
-    top: tuple[tuple[int, float], ...]  # (id, logprob) of the most likely tokens, as many as requested
 
 
 @dataclasses.dataclass(frozen=True)

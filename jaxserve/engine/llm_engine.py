@@ -23,6 +23,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.device_memory import allocator_fraction
 from jaxserve.engine.kv_sizing import device_memory_stats, resolve_num_pages
 from jaxserve.engine.logprobs import SampledToken, candidate_logprobs
+from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_stats import SchedulerStats
@@ -101,7 +102,7 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         ids = tuple(prompt_token_ids)
-        self._check_prompt(ids)
+        check_prompt_tokens(ids, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len)
         max_new = self._max_new_tokens(len(ids), params)
         self._check_runner_limits(params)
         children = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [request_id]
@@ -230,18 +231,6 @@ class LLMEngine:
 
     def _forget(self, child: str) -> None:
         self._parent_of.pop(child, None)
-
-    def _check_prompt(self, ids: tuple[int, ...]) -> None:
-        if not ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                      param="prompt")
-        if len(ids) >= self.config.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens, but max_model_len is {self.config.max_model_len} (at least one "
-                "token must be generated)", param="prompt")
 
     def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.config.max_model_len - prompt_len

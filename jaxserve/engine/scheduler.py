@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from jaxserve.engine.page_pool import ROOT_KEY, PagePool, PrefixMatch
+from jaxserve.engine.prompt_checks import check_prompt_length
 from jaxserve.config import EngineConfig
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler_stats import SchedulerStats
@@ -150,11 +151,7 @@ class Scheduler:
     def _check_admissible(self, request: Request) -> None:
         prompt_len, limit = request.num_prompt_tokens, self.max_model_len
         usable_pages = self.num_pages - 1
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-        if prompt_len >= limit:
-            raise InvalidRequestError(f"the prompt has {prompt_len} tokens but the maximum context length is {limit} "
-                                      "tokens, including at least one generated token", param="prompt")
+        check_prompt_length(prompt_len, limit)
         if prompt_len + request.max_new_tokens > limit:
             raise InvalidRequestError(f"the prompt ({prompt_len} tokens) plus max_tokens ({request.max_new_tokens}) "
                                       f"exceeds the maximum context length of {limit} tokens", param="max_tokens")

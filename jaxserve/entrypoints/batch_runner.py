@@ -16,7 +16,8 @@ from typing import Any
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.entrypoints.openai_body import (chat_completion_body, completion_body, default_max_tokens, error_body,
                                               sampling_params_from_body)
-from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, check_prompt, tokenize_prompt
+from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, tokenize_prompt
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.sampling_params import SamplingParams
 
@@ -70,7 +71,7 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
             raise InvalidRequestError("body must be a JSON object", param="body")
         chat = url == CHAT_URL
         prompt = chat_prompt(llm.tokenizer, body.get("messages")) if chat else _completion_prompt(llm, body)
-        check_prompt(prompt, llm.model.config.vocab_size, llm.max_model_len)
+        check_prompt_tokens(prompt.token_ids, vocab_size=llm.model.config.vocab_size, max_model_len=llm.max_model_len)
         params = sampling_params_from_body(body, chat, default_max_tokens=default_max_tokens(
             chat, len(prompt.token_ids), llm.max_model_len))
         return BatchItem(custom_id, chat, prompt, params, None)

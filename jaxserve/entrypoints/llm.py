@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from jaxserve.checkpoint import LoadedModel, load_model
 from jaxserve.config import EngineConfig, config_from
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.entrypoints.prompts import (TokenizedPrompt, chat_prompt, check_prompt, normalize_prompts,
+from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.entrypoints.prompts import (TokenizedPrompt, chat_prompt, normalize_prompts,
                                           params_per_prompt, tokenize_prompt)
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
@@ -98,7 +99,8 @@ class LLM:
 
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         for prompt in prompts:
-            check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
+            check_prompt_tokens(prompt.token_ids, vocab_size=self.model.config.vocab_size,
+                                max_model_len=self.max_model_len)
         ids = [str(next(self._request_ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):

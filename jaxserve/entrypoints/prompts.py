@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxserve.engine.prompt_checks import EMPTY_PROMPT
 from jaxserve.errors import InvalidRequestError, TokenizerError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer, flatten_text_content
@@ -40,7 +41,7 @@ def tokenize_prompt(prompt: str | dict, tokenizer: Tokenizer, add_special_tokens
     if not isinstance(text, str):
         raise InvalidRequestError(f"a prompt must be text or token ids, got {type(prompt).__name__}", param="prompt")
     if not text:
-        raise InvalidRequestError("prompt is empty", param="prompt")
+        raise InvalidRequestError(EMPTY_PROMPT, param="prompt")
     return TokenizedPrompt(text=text, token_ids=tuple(encode_text(tokenizer, text, add_special_tokens)))
 
 
@@ -68,23 +69,6 @@ def chat_prompt(tokenizer: Tokenizer, messages: Any, add_generation_prompt: bool
     except TokenizerError as e:  # a message the template or its content parts cannot take
         raise InvalidRequestError(str(e), param="messages") from None
     return tokenize_prompt(text, tokenizer, add_special_tokens=False)
-
-
-def check_prompt(prompt: TokenizedPrompt, vocab_size: int, max_model_len: int, param: str = "prompt") -> None:
-    """Rejects prompts the model cannot run: empty, ids outside the vocabulary, or no room left to generate; `param`
-    names the request field the prompt came from."""
-    ids = prompt.token_ids
-    if not ids:
-        raise InvalidRequestError("prompt is empty", param=param)
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
-    if len(ids) >= max_model_len:
-        raise InvalidRequestError(
-            f"prompt has {len(ids)} tokens, but max_model_len is {max_model_len} (at least one token must be "
-            "generated)",
-            param=param,
-        )
 
 
 def params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

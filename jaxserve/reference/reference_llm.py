@@ -11,7 +11,8 @@ from jaxserve.config import config_from
 from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.entrypoints.prompts import TokenizedPrompt, check_prompt
+from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
 from jaxserve.reference.dense_decoder import DecodeRequest, DenseDecoder
@@ -30,7 +31,8 @@ class ReferenceLLM(LLM):
 
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         for prompt in prompts:
-            check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
+            check_prompt_tokens(prompt.token_ids, vocab_size=self.model.config.vocab_size,
+                                max_model_len=self.max_model_len)
         if any(p.n > 1 for p in params):
             raise InvalidRequestError("the reference decoder does not support n > 1", param="n")
         eos = self.tokenizer.eos_token_ids

@@ -13,7 +13,8 @@ from quart import Blueprint, Response, jsonify
 
 from jaxserve.entrypoints.openai_body import (chat_completion_body, chat_completion_chunk, chat_logprobs,
                                               default_max_tokens, sampling_params_from_body, usage, usage_chunk)
-from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, check_prompt
+from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
@@ -55,7 +56,8 @@ async def create_chat_completion() -> Response:
 
 def parse_chat_request(body: dict[str, Any], context: ServerContext) -> ChatRequest:
     prompt = chat_prompt(context.tokenizer, body.get("messages"))
-    check_prompt(prompt, context.vocab_size, context.max_model_len, param="messages")
+    check_prompt_tokens(prompt.token_ids, vocab_size=context.vocab_size, max_model_len=context.max_model_len,
+                        param="messages")
     params = sampling_params_from_body(body, chat=True, default_max_tokens=default_max_tokens(
         True, len(prompt.token_ids), context.max_model_len))
     check_limits(params, 1, context.config)

@@ -13,7 +13,8 @@ from quart import Blueprint, Response, jsonify
 
 from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk,
                                               completion_logprobs, sampling_params_from_body, usage, usage_chunk)
-from jaxserve.entrypoints.prompts import TokenizedPrompt, check_prompt, tokenize_prompt
+from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.entrypoints.prompts import TokenizedPrompt, tokenize_prompt
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
@@ -85,7 +86,7 @@ def _prompts(prompt: Any, context: ServerContext) -> list[TokenizedPrompt]:
         else:
             raise ApiError(400, "each prompt must be a string or a list of token ids", param="prompt")
     for p in tokenized:
-        check_prompt(p, context.vocab_size, context.max_model_len)
+        check_prompt_tokens(p.token_ids, vocab_size=context.vocab_size, max_model_len=context.max_model_len)
     return tokenized
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from quart import Blueprint, Response, jsonify
 
+from jaxserve.engine.prompt_checks import check_token_ids
 from jaxserve.entrypoints.prompts import chat_prompt, encode_text
 from jaxserve.server.api_errors import ApiError
 from jaxserve.server.app import ServerContext, check_model, json_body, server_context
@@ -67,7 +68,5 @@ def _tokens_of(body: dict[str, Any], context: ServerContext) -> list[int]:
 def _checked_token_ids(tokens: Any, vocab_size: int) -> list[int]:
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise ApiError(400, "tokens must be a list of integers", param="tokens")
-    outside = [t for t in tokens if not 0 <= t < vocab_size]
-    if outside:
-        raise ApiError(400, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+    check_token_ids(tokens, vocab_size, param="tokens")
     return tokens

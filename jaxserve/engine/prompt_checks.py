@@ -1,0 +1,36 @@
+"""A prompt's tokens checked once, with one message per fault, for every way in: `LLM.generate` / `chat`,
+`jaxserve run-batch`, the HTTP routes and `LLMEngine.add_request` itself (the scheduler's own admission check shares
+the length rule). `param` names the request field the prompt came from ("prompt", or "messages" for a chat), so the
+server's error JSON points at it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxserve.errors import InvalidRequestError
+
+EMPTY_PROMPT = "prompt is empty"  # also what empty prompt text gets, before it would be tokenized to a lone BOS
+
+
+def check_prompt_tokens(token_ids: Sequence[int], *, vocab_size: int, max_model_len: int,
+                        param: str = "prompt") -> None:
+    """Refuses a prompt the model cannot run: an id outside the vocabulary, no token at all, or no room left for a
+    generated one."""
+    check_token_ids(token_ids, vocab_size, param)
+    check_prompt_length(len(token_ids), max_model_len, param)
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, param: str = "prompt") -> None:
+    """Refuses an empty prompt and one that leaves no room to generate within max_model_len."""
+    if num_tokens == 0:
+        raise InvalidRequestError(EMPTY_PROMPT, param=param)
+    if num_tokens >= max_model_len:
+        raise InvalidRequestError(f"prompt has {num_tokens} tokens, but max_model_len is {max_model_len} (at least "
+                                  "one token must be generated)", param=param)
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Refuses an id outside [0, vocab_size), naming the first one."""
+    outside = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise InvalidRequestError(f"token id {outside} is outside the vocabulary [0, {vocab_size})", param=param)

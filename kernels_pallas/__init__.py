@@ -4,13 +4,15 @@
 f[kv_heads, num_pages, page_size, head_dim], lowered through Pallas' Triton backend.
 `paged_prefill`: the flattened ragged tokens of a step (prefill chunks and decode tokens mixed), causal within each
 sequence after its cached tokens, over the same pool.
-Each kernel takes a frozen tuning (DecodeTuning, PrefillTuning); `default_decode_tuning` and `default_prefill_tuning`
+Each kernel has a plain-jnp reference beside it (`paged_decode_reference`, `paged_prefill_reference`), its tests'
+oracle. Each kernel takes a frozen tuning (DecodeTuning, PrefillTuning); `default_decode_tuning` and `default_prefill_tuning`
 pick one from a call's static shapes.
 """
 
 from kernels_pallas.paged_decode import (DecodeTuning, default_decode_tuning, paged_decode_attention,
                                          paged_decode_reference)
-from kernels_pallas.paged_prefill import PrefillTuning, default_prefill_tuning, paged_prefill_attention
+from kernels_pallas.paged_prefill import (PrefillTuning, default_prefill_tuning, paged_prefill_attention,
+                                          paged_prefill_reference)
 
 __all__ = ["DecodeTuning", "PrefillTuning", "default_decode_tuning", "default_prefill_tuning",
-           "paged_decode_attention", "paged_decode_reference", "paged_prefill_attention"]
+           "paged_decode_attention", "paged_decode_reference", "paged_prefill_attention", "paged_prefill_reference"]

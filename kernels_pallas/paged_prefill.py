@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas.common import (MASK_VALUE, MIN_DOT_DIM, check_pool, check_shape_arguments, check_tuning,
                                    default_pages_per_block, next_power_of_two, online_softmax_step, padded_rows,
                                    previous_power_of_two, scaled_scores)
+from kernels_pallas.paged_decode import paged_decode_reference
 
 _NO_POSITION = -1  # position of a query row that holds no token: it sees no slot
 # Most query rows (block_q * group) per program a default tuning takes: the float32 accumulator [rows, head_dim]
@@ -312,7 +313,7 @@ def paged_prefill_attention(
     """Causal paged attention of a flattened ragged batch (prefill chunks and decode tokens of many sequences).
 
     Token t attends over slots 0 .. min(positions[t] + 1, seq_lens[token_seq[t]]) - 1 of its sequence, with query
-    head i reading KV head i // (heads // kv_heads): the semantics of `paged_attention_xla`. Scores are
+    head i reading KV head i // (heads // kv_heads): the semantics of `paged_prefill_reference`. Scores are
     q·k * sm_scale, then cap * tanh(score / cap) if `logits_soft_cap` is given; accumulation is float32. Tokens of a
     length-0 row (padding) get zeros. Block-table entries past the pages a query needs are never read as pages,
     and slots a query may not see never reach its output, whatever they hold (NaN included). `interpret=True` runs
@@ -329,3 +330,31 @@ def paged_prefill_attention(
     item_out = _prefill_items(item_q, row_positions, k_pages, v_pages, tables, lengths, sm_scale=sm_scale,
                               logits_soft_cap=logits_soft_cap, tuning=tuning, interpret=interpret)
     return _token_outputs(item_out, work, tokens, group)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap"))
+def paged_prefill_reference(
+    q: jax.Array,  # f[T, heads, head_dim]
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    block_tables: jax.Array,  # i32[S, max_pages]
+    seq_lens: jax.Array,  # i32[S]
+    token_seq: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+) -> jax.Array:  # f[T, heads, head_dim], q's dtype
+    """Plain-jnp attention with the kernel's semantics: each token is a decode query over its own sequence's pages,
+    seeing min(position + 1, its sequence's length) slots, so the decode reference computes it token by token.
+
+    It gathers every token's whole context (T * max_pages * page_size per K and V): for tests, not serving.
+    """
+    visible = jnp.minimum(positions + 1, seq_lens[token_seq])  # i32[T]
+    return paged_decode_reference(q, k_pages, v_pages, block_tables[token_seq], visible, sm_scale=sm_scale,
+                                  logits_soft_cap=logits_soft_cap)

@@ -16,7 +16,7 @@ import pytest
 from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, paged_attention_xla
 from jaxserve.runner.paged_inputs import build_metadata
 from jaxserve.schedule import NULL_PAGE
-from kernels_pallas import paged_decode_reference
+from kernels_pallas import paged_decode_reference, paged_prefill_reference
 from kernels_pallas.common import MAX_DEFAULT_KEY_SLOTS, MAX_DEFAULT_TILE_BYTES, MIN_DOT_DIM, check_pool
 from kernels_pallas.paged_prefill import (MAX_DEFAULT_ROWS, PrefillTuning, build_work_list, default_prefill_tuning,
                                           paged_prefill_attention)
@@ -110,7 +110,9 @@ def real_tokens() -> int:
 
 
 def reference(step: Step, scale: float) -> jax.Array:
-    return paged_attention_xla(step.q, step.k_pages, step.v_pages, step.metadata, step.positions, scale)
+    metadata = step.metadata
+    return paged_prefill_reference(step.q, step.k_pages, step.v_pages, metadata.block_tables, metadata.seq_lens,
+                                   metadata.token_seq, step.positions, sm_scale=scale)
 
 
 def assert_matches(actual: jax.Array, expected: jax.Array, dtype):
@@ -252,3 +254,11 @@ def test_lowers_for_cuda_through_triton(dtype, tuning):
     exported = export_for_h100(attend, *_avals(dtype))
     assert exported.platforms == ("cuda",)
     assert triton_calls(exported) == 1
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_xla_serving_path_matches_the_kernel_reference(group):
+    """The engine's XLA backend (paged_attention_xla) and the kernel's plain reference agree on a ragged step."""
+    step = ragged_step(group * 64, jnp.float32, group, 64)
+    xla = paged_attention_xla(step.q, step.k_pages, step.v_pages, step.metadata, step.positions, 0.125)
+    assert_matches(xla, reference(step, 0.125), jnp.float32)

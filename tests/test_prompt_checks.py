@@ -15,18 +15,31 @@ BAD_PROMPTS = [
     pytest.param(list(range(5, 69)), "prompt has 64 tokens, but max_model_len is 64", id="too-long"),
 ]
 
+# (what LLM.generate is given, the same prompt as a completions body's "prompt" field, message)
+BAD_FORMS = [
+    pytest.param("", "", "prompt is empty", id="empty-text"),
+    pytest.param(42, 42, "a prompt must be text or token ids, got int", id="a-number"),
+    pytest.param({"prompt_token_ids": [5, "a"]}, [5, "a"], "token ids must be a list of integers", id="not-ids"),
+    pytest.param({"prompt_token_ids": [5, True]}, [5, True], "token ids must be a list of integers", id="a-bool"),
+    pytest.param("a\ud800", "a\ud800", "prompt is not valid Unicode text", id="lone-surrogate"),
+]
 
-def _offline_error(llm, token_ids) -> InvalidRequestError:
+
+def _offline_error(llm, prompt) -> InvalidRequestError:
     with pytest.raises(InvalidRequestError) as refused:
-        llm.generate({"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     return refused.value
+
+
+def _batch_error(llm, body_prompt) -> dict:
+    line = json.dumps({"custom_id": "x", "url": "/v1/completions", "body": {"prompt": body_prompt, "max_tokens": 1}})
+    return _parse_line(llm, 1, line).error["error"]
 
 
 @pytest.mark.parametrize("token_ids, message", BAD_PROMPTS)
 def test_offline_batch_and_engine_refuse_alike(tiny_llm, token_ids, message):
-    offline = _offline_error(tiny_llm, token_ids)
-    line = json.dumps({"custom_id": "x", "url": "/v1/completions", "body": {"prompt": token_ids or "", "max_tokens": 1}})
-    batch = _parse_line(tiny_llm, 1, line).error["error"]
+    offline = _offline_error(tiny_llm, {"prompt_token_ids": token_ids})
+    batch = _batch_error(tiny_llm, token_ids)
     with pytest.raises(InvalidRequestError) as engine:
         tiny_llm.engine.add_request("direct", token_ids, SamplingParams(max_tokens=1))
     assert message in str(offline)
@@ -35,11 +48,13 @@ def test_offline_batch_and_engine_refuse_alike(tiny_llm, token_ids, message):
     assert not tiny_llm.engine.has_unfinished_requests()
 
 
-def test_empty_text_is_refused_like_empty_ids(tiny_llm):
-    assert str(_offline_error(tiny_llm, [])) == str(_offline_error_text(tiny_llm))
+@pytest.mark.parametrize("offline_prompt, body_prompt, message", BAD_FORMS)
+def test_offline_and_batch_refuse_bad_forms_alike(tiny_llm, offline_prompt, body_prompt, message):
+    offline = _offline_error(tiny_llm, offline_prompt)
+    batch = _batch_error(tiny_llm, body_prompt)
+    assert message in str(offline)
+    assert (str(offline), offline.param) == (batch["message"], batch["param"])
 
 
-def _offline_error_text(llm) -> InvalidRequestError:
-    with pytest.raises(InvalidRequestError) as refused:
-        llm.generate("", SamplingParams(max_tokens=1), use_tqdm=False)
-    return refused.value
+def test_batch_takes_one_prompt_per_line(tiny_llm):
+    assert _batch_error(tiny_llm, ["a", "b"])["message"] == "run-batch takes one prompt per line, got a list of prompts"

@@ -50,6 +50,8 @@ BAD_REQUESTS = [
     ("stop a number", "POST", COMPLETIONS, _completion(stop=5), 400, "stop"),
     ("prompt a number", "POST", COMPLETIONS, _completion(prompt=5), 400, "prompt"),
     ("prompt empty list", "POST", COMPLETIONS, _completion(prompt=[]), 400, "prompt"),
+    ("prompt an empty token-id list among others", "POST", COMPLETIONS, _completion(prompt=[[5], []]), 400, "prompt"),
+    ("prompt token ids not integers", "POST", COMPLETIONS, _completion(prompt=[5, "a"]), 400, "prompt"),
     ("prompt a lone surrogate", "POST", COMPLETIONS, b'{"prompt": "a\\ud800"}', 400, "prompt"),
     ("temperature NaN", "POST", COMPLETIONS, b'{"prompt": "Hello", "temperature": NaN}', 400, "temperature"),
     ("stream_options a string", "POST", COMPLETIONS, _completion(stream=True, stream_options="x"), 400,
@@ -99,6 +101,15 @@ BAD_REQUESTS = [
 ]
 
 
+# a completions `prompt` and the message LLM.generate and run-batch give for the same fault (tests/test_prompt_checks.py)
+SAME_AS_OFFLINE = [
+    ([], "prompt is empty"),
+    (42, "a prompt must be text or token ids, got int"),
+    ([5, "a"], "token ids must be a list of integers"),
+    (["Hi", [5, 100000]], "token id 100000 is outside the vocabulary [0, "),
+]
+
+
 def _send(http: httpx.Client, method: str, path: str, body, **kwargs) -> httpx.Response:
     if isinstance(body, bytes):
         return http.request(method, path, content=body, headers={"Content-Type": "application/json"}, **kwargs)
@@ -117,6 +128,14 @@ def _assert_openai_error(response: httpx.Response, status: int, param: str | Non
 @pytest.mark.parametrize("name, method, path, body, status, param", BAD_REQUESTS, ids=[r[0] for r in BAD_REQUESTS])
 def test_bad_request_gets_its_status_and_openai_error(http, name, method, path, body, status, param):
     _assert_openai_error(_send(http, method, path, body), status, param)
+
+
+
+@pytest.mark.parametrize("prompt, message", SAME_AS_OFFLINE, ids=[m for _, m in SAME_AS_OFFLINE])
+def test_bad_prompts_get_the_offline_message(http, prompt, message):
+    response = http.post(COMPLETIONS, json=_completion(prompt=prompt))
+    _assert_openai_error(response, 400, "prompt")
+    assert response.json()["error"]["message"].startswith(message)
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY},

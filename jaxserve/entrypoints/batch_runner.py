@@ -13,11 +13,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.entrypoints.openai_body import (chat_completion_body, completion_body, default_max_tokens, error_body,
                                               sampling_params_from_body)
-from jaxserve.engine.prompt_checks import check_prompt_tokens
-from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, tokenize_prompt
+from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, completion_prompt, is_prompt_list
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.sampling_params import SamplingParams
 
@@ -83,12 +83,9 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
 
 def _completion_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return tokenize_prompt({"prompt_token_ids": prompt}, llm.tokenizer)
-    if not isinstance(prompt, str):
-        raise InvalidRequestError("prompt must be a string or a list of token ids (one prompt per line)",
-                                  param="prompt")
-    return tokenize_prompt(prompt, llm.tokenizer)
+    if is_prompt_list(prompt):
+        raise InvalidRequestError("run-batch takes one prompt per line, got a list of prompts", param="prompt")
+    return completion_prompt(prompt, llm.tokenizer)
 
 
 def _result_line(item: BatchItem, result, model_name: str) -> dict[str, Any]:

@@ -33,16 +33,40 @@ def normalize_prompts(prompts: Any) -> list[str | dict]:
 def tokenize_prompt(prompt: str | dict, tokenizer: Tokenizer, add_special_tokens: bool = True) -> TokenizedPrompt:
     """Encodes text prompts; passes token-id prompts through."""
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(_is_int(t) for t in ids):
-            raise InvalidRequestError("prompt_token_ids must be a list of integers", param="prompt")
-        return TokenizedPrompt(text=prompt.get("prompt"), token_ids=tuple(ids))
+        return TokenizedPrompt(text=prompt.get("prompt"), token_ids=token_ids_of(prompt["prompt_token_ids"]))
     text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
     if not isinstance(text, str):
-        raise InvalidRequestError(f"a prompt must be text or token ids, got {type(prompt).__name__}", param="prompt")
+        raise _wrong_prompt_type(prompt)
     if not text:
         raise InvalidRequestError(EMPTY_PROMPT, param="prompt")
     return TokenizedPrompt(text=text, token_ids=tuple(encode_text(tokenizer, text, add_special_tokens)))
+
+
+def completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[TokenizedPrompt]:
+    """An OpenAI completions `prompt` field in its four forms: text, token ids, or a list of either."""
+    return [completion_prompt(p, tokenizer) for p in (prompt if is_prompt_list(prompt) else [prompt])]
+
+
+def completion_prompt(prompt: Any, tokenizer: Tokenizer) -> TokenizedPrompt:
+    """One prompt of an OpenAI request body: text or a list of token ids (the body has no dict form)."""
+    if isinstance(prompt, list):
+        return TokenizedPrompt(text=None, token_ids=token_ids_of(prompt))
+    if not isinstance(prompt, str):
+        raise _wrong_prompt_type(prompt)
+    return tokenize_prompt(prompt, tokenizer)
+
+
+def is_prompt_list(prompt: Any) -> bool:
+    """Whether a completions `prompt` field holds several prompts. Its first item decides, as in vLLM, so a list that
+    starts with a token id is one prompt (and its other items must be token ids too)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
+def token_ids_of(value: Any, param: str = "prompt") -> tuple[int, ...]:
+    """`value` as token ids; `param` names the request field it came from."""
+    if not isinstance(value, Sequence) or isinstance(value, str) or not all(_is_int(t) for t in value):
+        raise InvalidRequestError("token ids must be a list of integers", param=param)
+    return tuple(value)
 
 
 def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
@@ -87,4 +111,8 @@ def params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, 
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not token id 1
+
+
+def _wrong_prompt_type(prompt: Any) -> InvalidRequestError:
+    return InvalidRequestError(f"a prompt must be text or token ids, got {type(prompt).__name__}", param="prompt")

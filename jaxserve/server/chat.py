@@ -11,9 +11,9 @@ from typing import Any
 
 from quart import Blueprint, Response, jsonify
 
+from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.openai_body import (chat_completion_body, chat_completion_chunk, chat_logprobs,
                                               default_max_tokens, sampling_params_from_body, usage, usage_chunk)
-from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams

@@ -11,10 +11,10 @@ from typing import Any
 
 from quart import Blueprint, Response, jsonify
 
+from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk,
                                               completion_logprobs, sampling_params_from_body, usage, usage_chunk)
-from jaxserve.engine.prompt_checks import check_prompt_tokens
-from jaxserve.entrypoints.prompts import TokenizedPrompt, tokenize_prompt
+from jaxserve.entrypoints.prompts import TokenizedPrompt, completion_prompts
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
@@ -71,28 +71,10 @@ def parse_completion_request(body: dict[str, Any], context: ServerContext) -> Co
 
 
 def _prompts(prompt: Any, context: ServerContext) -> list[TokenizedPrompt]:
-    """The four prompt forms: text, list of texts, token ids, list of token-id lists."""
-    if isinstance(prompt, str) or _is_token_ids(prompt):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of "
-                            "token-id lists", param="prompt")
-    tokenized = []
-    for item in prompt:
-        if _is_token_ids(item):
-            tokenized.append(tokenize_prompt({"prompt_token_ids": item}, context.tokenizer))
-        elif isinstance(item, str):
-            tokenized.append(tokenize_prompt(item, context.tokenizer))
-        else:
-            raise ApiError(400, "each prompt must be a string or a list of token ids", param="prompt")
+    tokenized = completion_prompts(prompt, context.tokenizer)
     for p in tokenized:
         check_prompt_tokens(p.token_ids, vocab_size=context.vocab_size, max_model_len=context.max_model_len)
     return tokenized
-
-
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _echo_chunks(context: ServerContext, request: CompletionRequest, chunk_id: str, created: int,

@@ -11,7 +11,7 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from jaxserve.engine.prompt_checks import check_token_ids
-from jaxserve.entrypoints.prompts import chat_prompt, encode_text
+from jaxserve.entrypoints.prompts import chat_prompt, encode_text, token_ids_of
 from jaxserve.server.api_errors import ApiError
 from jaxserve.server.app import ServerContext, check_model, json_body, server_context
 from jaxserve.server.request_fields import flag
@@ -66,7 +66,6 @@ def _tokens_of(body: dict[str, Any], context: ServerContext) -> list[int]:
 
 
 def _checked_token_ids(tokens: Any, vocab_size: int) -> list[int]:
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ApiError(400, "tokens must be a list of integers", param="tokens")
-    check_token_ids(tokens, vocab_size, param="tokens")
-    return tokens
+    ids = token_ids_of(tokens, param="tokens")
+    check_token_ids(ids, vocab_size, param="tokens")
+    return list(ids)

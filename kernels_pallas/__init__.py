@@ -5,8 +5,8 @@ f[kv_heads, num_pages, page_size, head_dim], lowered through Pallas' Triton back
 `paged_prefill`: the flattened ragged tokens of a step (prefill chunks and decode tokens mixed), causal within each
 sequence after its cached tokens, over the same pool.
 Each kernel has a plain-jnp reference beside it (`paged_decode_reference`, `paged_prefill_reference`), its tests'
-oracle. Each kernel takes a frozen tuning (DecodeTuning, PrefillTuning); `default_decode_tuning` and `default_prefill_tuning`
-pick one from a call's static shapes.
+oracle. Each kernel takes a frozen tuning (DecodeTuning, PrefillTuning); `default_decode_tuning` and
+`default_prefill_tuning` pick one from a call's static shapes.
 """
 
 from kernels_pallas.paged_decode import (DecodeTuning, default_decode_tuning, paged_decode_attention,

@@ -36,6 +36,8 @@ def _imported_modules(path):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.module
+            # `from jaxserve import reference` imports the submodule jaxserve.reference.
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
 
 
 @pytest.mark.parametrize("layer", sorted(_FORBIDDEN))

@@ -98,7 +98,7 @@ def paged_attention_xla(
     whole context: `pages_per_block` defaults to keep T * block_slots at most QUERY_KEY_PAIRS_PER_BLOCK (but at
     least one page), e.g. 64 MiB each for K and V of Llama-3-8B (8 KV heads of 128, bfloat16) whether T is 64 or
     512. Gathering per token re-reads a prefill chunk's shared context once per query (T * context * kv_heads *
-    head_dim traffic); a kernel avoids that, this reference trades it for simplicity.
+    head_dim traffic); a kernel avoids that, this backend trades it for simplicity.
     """
     tokens, heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape

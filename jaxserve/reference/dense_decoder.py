@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.config import LlamaConfig
 from jaxserve.engine.logprobs import SampledToken
+from jaxserve.model.config import LlamaConfig
 from jaxserve.reference.dense_kv_cache import DenseKVCache
 from jaxserve.reference.host_sampler import SamplingContext, describe_token, sample
 from jaxserve.sampling_params import SamplingParams

@@ -9,9 +9,9 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import config_from
 from jaxserve.engine.logprobs import candidate_logprobs
+from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput

@@ -2,8 +2,9 @@
 
 Per-request settings travel as arrays with one row per sequence (`SamplingTensors`, built on the host in numpy), so
 one compiled program serves any mix of requests. The rules and their order are those of the numpy reference in
-`jaxserve/reference/host_sampler.py` (vLLM v1's order): raw log-probabilities first; min_tokens masks and logit_bias; repetition,
-frequency and presence penalties; argmax for greedy rows; otherwise temperature, min_p, top-k, top-p and one draw.
+`jaxserve/reference/host_sampler.py` (vLLM v1's order): raw log-probabilities first; min_tokens masks and
+logit_bias; repetition, frequency and presence penalties; argmax for greedy rows; otherwise temperature, min_p,
+top-k, top-p and one draw.
 
 Two parts are optional and switched statically by being None, which changes the pytree and so picks another
 compiled variant: penalties (they ship a token history per row and scatter it into vocabulary-wide counts) and

@@ -84,6 +84,7 @@ from jaxserve.tokenizer import load_tokenizer
 from kernels_pallas import (DecodeTuning, PrefillTuning, default_decode_tuning, default_prefill_tuning,
                             paged_decode_attention, paged_prefill_attention)
 from bench_machine import machine_description
+from model_shapes import LLAMA3_8B_CONFIG
 
 GOALS = {
     "decode_fraction_of_copy": 0.80,
@@ -101,26 +102,6 @@ SHIPPED_DEFAULT_SPLITS = 16  # the shipped op's default
 SHIPPED_SWEEP_SPLITS = (16, 4, 1)
 ENGINE_BACKENDS = (PALLAS_BACKEND, XLA_BACKEND)
 ENGINE_INIT_STD = 0.02  # a trained model's scale: keeps activations finite through 32 bf16 layers
-# Llama-3.1-8B's shapes; the weights are random.
-LLAMA3_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 # ---------------------------------------------------------------------------------------------------------------

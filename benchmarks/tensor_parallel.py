@@ -83,7 +83,7 @@ PLAN_GPU_MEMORY_UTILIZATION = 0.9
 # (weights, KV cache) dtypes of the plan's rows.
 PLAN_DTYPES = (("bfloat16", "bfloat16"), ("float8_e4m3fn", "bfloat16"), ("float8_e4m3fn", "float8_e4m3fn"))
 # The tensors an FP8 checkpoint stores in FP8: the decoder layers' projection matrices (not embeddings, lm_head, norms).
-_FP8_QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+_FP8_QUANTIZED = re.compile(r"^model\.layers\.(self_attn|mlp)\.\w+_proj\.weight$")  # stacked: every layer
 SEEDS_2XH100_FP8_KV_GB = 90.0  # the seeds' sizing: 2 x 80 GB minus ~70 GB of FP8 weights
 
 

@@ -160,12 +160,11 @@ def edit_config(folder: Path, **changes: Any) -> None:
 
 
 def load_arrays(folder: Path, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """Tensor name -> host copy of each parameter `load_model` gives for the folder."""
+    """Checkpoint tensor name -> host copy of the loaded weights (stacked layers split back into HF's tensors)."""
     from jaxserve.checkpoint import load_model
-    from jaxserve.checkpoint.param_tree import flat_arrays
+    from jaxserve.checkpoint.param_tree import checkpoint_tensors, flat_arrays
 
-    params = load_model(folder, dtype, progress=False).params
-    return {name: np.asarray(array) for name, array in flat_arrays(params).items()}
+    return checkpoint_tensors(flat_arrays(load_model(folder, dtype, progress=False).params))
 
 
 def assert_same_tensors(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:

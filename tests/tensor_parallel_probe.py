@@ -16,7 +16,8 @@ import numpy as np  # noqa: E402
 
 from jaxserve import LLM  # noqa: E402
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR, convert_hf_to_orbax, load_model, shard_placement  # noqa: E402
-from jaxserve.checkpoint.param_tree import flat_arrays  # noqa: E402
+from jaxserve.checkpoint.param_tree import checkpoint_tensors, flat_arrays  # noqa: E402
+from jaxserve.model.param_names import is_stacked  # noqa: E402
 from jaxserve.parallel import TP_AXIS, param_partition_spec, plan_tensor_parallel  # noqa: E402
 from jaxserve.parallel.collectives import all_gather_shapes, count_collectives  # noqa: E402
 from tests.hf_models import write_tiny_checkpoint  # noqa: E402
@@ -47,7 +48,7 @@ def engine_report(model_dir: Path, tp: int) -> dict:
     llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp, **ENGINE)
     tokens = greedy_tokens(llm)
     runner = llm.engine.runner
-    arrays = flat_arrays(llm.model.params)
+    arrays = flat_arrays(llm.engine.runner.params)
     greedy_program = runner._programs[runner.buckets.select(16, 2, penalties=False, truncation=False)]
     return dict(
         tokens=tokens,
@@ -56,10 +57,9 @@ def engine_report(model_dir: Path, tp: int) -> dict:
         wrong_shardings=[name for name, array in arrays.items() if not _sharded_as_ruled(name, array, tp)],
         device_bytes=sorted({_device_bytes(arrays, device) for device in runner.mesh.devices.flat}),
         expected_device_bytes=sum(_expected_share(name, array, tp) for name, array in arrays.items()),
-        pool_shard_shape=list(runner.pool.k_pages[0].addressable_shards[0].data.shape),
+        pool_shard_shape=list(runner.pool.k_pages.addressable_shards[0].data.shape),
         collectives=count_collectives(greedy_program.as_text()),
         all_gather_shapes=all_gather_shapes(greedy_program.as_text()),
-        num_layers=llm.model.config.num_hidden_layers,
     )
 
 
@@ -88,7 +88,8 @@ def orbax_matches_safetensors(model_dir: Path, orbax_model_dir: Path, tp: int) -
 
 
 def shard_reads(model_dir: Path, tp: int) -> dict:
-    """Host reads while loading, against the distinct device slices: a replicated tensor is read once, not tp times."""
+    """Host reads while loading, against the distinct device slices (per layer for a stacked parameter): a replicated
+    tensor is read once, not tp times."""
     reads = []
     real_read = shard_placement.read_shard
 
@@ -101,7 +102,9 @@ def shard_reads(model_dir: Path, tp: int) -> dict:
         arrays = flat_arrays(load_model(model_dir, "float32", False, tensor_parallel_size=tp).params)
     finally:
         shard_placement.read_shard = real_read
-    distinct = sum(len({shard.index for shard in array.addressable_shards}) for array in arrays.values())
+    # A stacked parameter's device slice is read layer by layer: one read per layer of each distinct slice.
+    distinct = sum(len({shard.index for shard in array.addressable_shards}) * (array.shape[0] if is_stacked(name) else 1)
+                   for name, array in arrays.items())
     return dict(reads=len(reads), distinct_slices=distinct)
 
 
@@ -110,7 +113,8 @@ def builtin_matches_single_device(tp: int) -> bool:
     single = load_model(None, "float32", False)
     split = load_model(None, "float32", False, tensor_parallel_size=tp)
     layout = plan_tensor_parallel(single.config, tp)
-    single_arrays, split_arrays = flat_arrays(single.params), flat_arrays(split.params)
+    single_arrays, split_arrays = (checkpoint_tensors(flat_arrays(single.params)),
+                                   checkpoint_tensors(flat_arrays(split.params)))
     for name, array in split_arrays.items():
         rows = layout.stored_rows(name)
         expected = np.asarray(single_arrays[name])

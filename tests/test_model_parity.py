@@ -9,7 +9,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.checkpoint import load_model  # noqa: E402
-from jaxserve.checkpoint.param_tree import flat_arrays  # noqa: E402
+from jaxserve.checkpoint.param_tree import checkpoint_tensors, flat_arrays  # noqa: E402
 from tests.hf_models import hf_logits, jaxserve_logits, random_tokens, save_tiny_hf_llama  # noqa: E402
 
 pytestmark = pytest.mark.parity
@@ -43,6 +43,6 @@ def test_bfloat16_checkpoint_from_transformers_loads_bit_exact(tmp_path):
     loaded = load_model(tmp_path, "bfloat16", progress=False)
     assert loaded.dtype == jnp.bfloat16
     hf_weights = hf_model.state_dict()
-    for name, array in flat_arrays(loaded.params).items():
+    for name, array in checkpoint_tensors(flat_arrays(loaded.params)).items():
         expected = hf_weights[name].to(torch.bfloat16).float().numpy()
         np.testing.assert_array_equal(np.asarray(array).astype(np.float32), expected, err_msg=name)

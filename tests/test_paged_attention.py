@@ -84,7 +84,8 @@ def make_ragged_batch(seed: int, group: int, head_dim: int, dtype) -> RaggedBatc
     padding_q = _random(rng, (padding, KV_HEADS * group, head_dim), dtype)
     padding_kv = np.full((padding, KV_HEADS, head_dim), PADDING_VALUE)
     cached_k, cached_v = _host_pool(sequences, num_pages, head_dim, cached_only=True)
-    pool = PagedKVCache(k_pages=(jnp.asarray(cached_k, dtype),), v_pages=(jnp.asarray(cached_v, dtype),))
+    # One layer: f[kv_heads, 1, num_pages, page_size, head_dim].
+    pool = PagedKVCache(k_pages=jnp.asarray(cached_k, dtype)[:, None], v_pages=jnp.asarray(cached_v, dtype)[:, None])
     expected_k, expected_v = _host_pool(sequences, num_pages, head_dim, cached_only=False)
     return RaggedBatch(
         pool=pool.with_metadata(jax.tree.map(jnp.asarray, inputs.metadata)),
@@ -168,8 +169,8 @@ def test_paged_step_matches_dense_attention_and_writes_only_real_tokens(group, h
     _assert_close(out[:real_tokens], batch.expected_out, dtype)
     np.testing.assert_array_equal(np.asarray(out[real_tokens:], np.float32), 0.0)  # padding: zeros, not NaN
     # Bit-exact, NaN-aware: the step's tokens landed in their slots, the null page and free slots are untouched.
-    np.testing.assert_array_equal(np.asarray(pool.k_pages[0], np.float32), batch.expected_k_pages)
-    np.testing.assert_array_equal(np.asarray(pool.v_pages[0], np.float32), batch.expected_v_pages)
+    np.testing.assert_array_equal(np.asarray(pool.k_pages[:, 0], np.float32), batch.expected_k_pages)
+    np.testing.assert_array_equal(np.asarray(pool.v_pages[:, 0], np.float32), batch.expected_v_pages)
 
 
 @pytest.mark.parametrize("pages_per_block", [1, 2, 3, MAX_PAGES])
@@ -177,7 +178,7 @@ def test_reference_agrees_for_every_block_size(pages_per_block):
     batch = make_ragged_batch(seed=pages_per_block, group=2, head_dim=64, dtype=jnp.float32)
     _, pool = _write_and_attend(batch.pool, batch.q, batch.k, batch.v, jnp.asarray(batch.inputs.positions),
                                 scale=64**-0.5)
-    out = paged_attention_xla(batch.q, pool.k_pages[0], pool.v_pages[0], pool.metadata,
+    out = paged_attention_xla(batch.q, pool.k_pages[:, 0], pool.v_pages[:, 0], pool.metadata,
                                     jnp.asarray(batch.inputs.positions), 64**-0.5, pages_per_block=pages_per_block)
     _assert_close(out[: len(batch.expected_out)], batch.expected_out, jnp.float32)
 
@@ -190,8 +191,8 @@ def test_all_padding_step_returns_zeros_and_leaves_the_pool_alone():
     k = v = jnp.full((4, KV_HEADS, 8), PADDING_VALUE)
     out, new_pool = _write_and_attend(pool, q, k, v, jnp.asarray(inputs.positions), scale=1.0)
     np.testing.assert_array_equal(out, 0.0)
-    np.testing.assert_array_equal(new_pool.k_pages[0], 0.0)
-    np.testing.assert_array_equal(new_pool.v_pages[0], 0.0)
+    np.testing.assert_array_equal(new_pool.k_pages[:, 0], 0.0)
+    np.testing.assert_array_equal(new_pool.v_pages[:, 0], 0.0)
 
 
 def test_build_metadata_lays_out_tokens_slots_and_padding():
@@ -307,7 +308,7 @@ def _poisoned_pool(model: LlamaForCausalLM, num_pages: int) -> PagedKVCache:
     cfg = model.config
     pool = PagedKVCache.zeros(cfg.num_hidden_layers, num_pages, MODEL_PAGE_SIZE, cfg.num_key_value_heads,
                               cfg.head_dim, jnp.float32)
-    return jax.tree.map(lambda pages: pages.at[:, NULL_PAGE + 1:].set(jnp.nan), pool)
+    return jax.tree.map(lambda pages: pages.at[:, :, NULL_PAGE + 1:].set(jnp.nan), pool)
 
 
 def test_model_on_paged_ragged_steps_matches_each_sequence_alone_on_the_dense_cache():
@@ -355,7 +356,7 @@ def test_pool_is_donated_and_updated_in_place():
     tokens = jnp.arange(8, dtype=jnp.int32)
     forward = _jitted_paged_forward(graphdef)
     lowered = forward.lower(params, tokens, inputs, pool)
-    pool_arrays = len(pool.k_pages) + len(pool.v_pages)
+    pool_arrays = len(jax.tree.leaves(pool))
     assert lowered.as_text().count("tf.aliasing_output") == pool_arrays
     pool_bytes = sum(pages.nbytes for pages in jax.tree.leaves(pool))
     assert lowered.compile().memory_analysis().alias_size_in_bytes == pool_bytes

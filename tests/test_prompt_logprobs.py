@@ -125,7 +125,7 @@ def test_n_continuations_share_one_prompt_scoring(engine_llm, reference_llm):
 def test_prompt_logprobs_are_the_log_softmax_of_the_full_sequence_logits(engine_llm):
     prompt = _prompts((37,), seed=4)[0]["prompt_token_ids"]
     [output] = engine_llm.generate({"prompt_token_ids": prompt}, _scoring(3), use_tqdm=False)
-    logits = jaxserve_logits(engine_llm.model, np.array([prompt]))[0].astype(np.float64)  # f64[tokens, vocab]
+    logits = jaxserve_logits(engine_llm.model.load(progress=False), np.array([prompt]))[0].astype(np.float64)  # f64[tokens, vocab]
     expected = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)  # f64[tokens, vocab]
     for i, candidates in enumerate(output.prompt_logprobs[1:], start=1):
         row = expected[i - 1]  # f64[vocab]: position i - 1 predicts token i

@@ -16,6 +16,7 @@ from flax import nnx
 from jaxserve.checkpoint.param_tree import abstract_params, fill_params, flat_arrays
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.param_names import is_stacked
 from jaxserve.parallel import TensorParallelLayout
 
 BUILTIN_MODEL_DIR = Path(__file__).resolve().parent.parent / "builtin"
@@ -41,7 +42,7 @@ def sharded_random_params(layout: TensorParallelLayout, dtype: np.dtype, seed: i
 
     def draw() -> dict[str, jax.Array]:
         _, state = random_params(layout.checkpoint_config, dtype, seed, init_std)
-        return {name: _repeat_rows(value, layout.stored_rows(name)) for name, value in flat_arrays(state).items()}
+        return {name: _repeat_rows(name, value, layout.stored_rows(name)) for name, value in flat_arrays(state).items()}
 
     arrays = jax.jit(draw, out_shardings={name: spec.sharding for name, spec in placed.specs.items()})()
     return placed.graphdef, fill_params(placed, arrays)
@@ -52,6 +53,9 @@ def builtin_params(layout: TensorParallelLayout, dtype: np.dtype) -> tuple[nnx.G
     return sharded_random_params(layout, dtype, BUILTIN_SEED, BUILTIN_INIT_STD)
 
 
-def _repeat_rows(value: jax.Array, stored_rows: np.ndarray | None) -> jax.Array:
-    """f[placed rows, ...] from f[stored rows, ...]: rows copied as stored_rows (i64[placed rows]) says."""
-    return value if stored_rows is None else value[stored_rows]
+def _repeat_rows(name: str, value: jax.Array, stored_rows: np.ndarray | None) -> jax.Array:
+    """f[placed rows, ...] from f[stored rows, ...] (rows after the layer axis of a stacked parameter), rows copied
+    as stored_rows (i64[placed rows]) says."""
+    if stored_rows is None:
+        return value
+    return value[:, stored_rows] if is_stacked(name) else value[stored_rows]

@@ -3,12 +3,19 @@
 A folder holding a converted Orbax checkpoint (`orbax/`) restores from it, reading all tensors concurrently straight
 into their target sharding; otherwise its HF safetensors weights are streamed in one tensor at a time.
 `convert_hf_to_orbax` produces such a folder; `benchmarks/load_time.py` compares the two paths.
+
+Loading is two steps, so that start-up can compile while the weights are read: `plan_model` reads the config, lays
+the parameters out and checks the checkpoint's names and shapes (seconds at most), giving a `ModelPlan` whose
+abstract parameters (shapes, dtypes, shardings) are all a compile needs; `ModelPlan.load` then reads the weights.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -25,9 +32,10 @@ from jaxserve.checkpoint.model_files import (
     has_orbax_checkpoint,
     orbax_dir,
 )
-from jaxserve.checkpoint.orbax_io import restore_orbax, save_orbax
-from jaxserve.checkpoint.param_tree import abstract_params, fill_params, tensor_targets, unchanged_targets
-from jaxserve.checkpoint.safetensors_loader import load_safetensors
+from jaxserve.checkpoint.orbax_io import plan_orbax_restore, save_orbax
+from jaxserve.checkpoint.param_tree import (abstract_params, checkpoint_tensors, fill_params, tensor_targets,
+                                            unchanged_targets)
+from jaxserve.checkpoint.safetensors_loader import load_safetensors, plan_safetensors_load
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import resolve_dtype
@@ -49,6 +57,34 @@ class LoadedModel:
     mesh: Mesh | None = None  # the tensor-parallel mesh the weights are split over; None: all on the first device
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """A model laid out and its checkpoint checked, before any weight is read."""
+
+    config: LlamaConfig  # as it runs (see LoadedModel.config)
+    graphdef: nnx.GraphDef  # module structure without weights
+    abstract_params: nnx.State  # every nnx.Param as a jax.ShapeDtypeStruct of its dtype and sharding
+    dtype: np.dtype  # dtype of weights and activations
+    model_dir: Path  # folder holding config and tokenizer files
+    source: str  # where the weights will come from: "safetensors", "orbax" or "builtin"
+    mesh: Mesh | None  # the tensor-parallel mesh the weights are split over
+    read_params: Callable[[bool], nnx.State]  # reads the weights (its argument: show progress), as laid out here
+
+    def load(self, progress: bool = True) -> LoadedModel:
+        """Reads the weights onto the devices."""
+        return LoadedModel(self.config, self.graphdef, self.read_params(progress), self.dtype, self.model_dir,
+                           self.source, self.mesh)
+
+    def weight_bytes_per_device(self) -> int:
+        """Bytes of the weight shards each device will hold (the largest share, where they differ)."""
+        shard_bytes = collections.Counter()
+        for spec in jax.tree.leaves(self.abstract_params):
+            for device, index in spec.sharding.devices_indices_map(spec.shape).items():
+                shard_bytes[device] += math.prod(len(range(*s.indices(n))) for s, n in zip(index, spec.shape)) * (
+                    spec.dtype.itemsize)
+        return max(shard_bytes.values(), default=0)
+
+
 def load_model(model_dir: Path | None, dtype: str = "auto", progress: bool = True,
                tensor_parallel_size: int = 1) -> LoadedModel:
     """Load the model in `model_dir`, or the built-in model when it is None, split over `tensor_parallel_size` devices.
@@ -57,8 +93,13 @@ def load_model(model_dir: Path | None, dtype: str = "auto", progress: bool = Tru
     safetensors. Each device receives only its shard of each tensor. Raises `ModelLoadError` (naming the file or
     tensor at fault) on anything wrong with the folder, `ConfigError` when the model cannot be split so.
     """
+    return plan_model(model_dir, dtype, tensor_parallel_size).load(progress)
+
+
+def plan_model(model_dir: Path | None, dtype: str = "auto", tensor_parallel_size: int = 1) -> ModelPlan:
+    """`load_model`'s checks and layout without reading weights; the same errors, raised here."""
     if model_dir is None:
-        return _load_builtin(dtype, tensor_parallel_size)
+        return _plan_builtin(dtype, tensor_parallel_size)
     model_dir = Path(model_dir)
     check_model_dir(model_dir)
     cfg = LlamaConfig.from_json_file(model_dir / CONFIG_FILE)
@@ -68,11 +109,13 @@ def load_model(model_dir: Path | None, dtype: str = "auto", progress: bool = Tru
     stored = abstract_params(cfg, target_dtype, layout.param_sharding)
     targets = tensor_targets(stored, placed, layout.stored_rows)
     if has_orbax_checkpoint(model_dir):
-        source, arrays = "orbax", restore_orbax(orbax_dir(model_dir), targets)
+        source, restore = "orbax", plan_orbax_restore(orbax_dir(model_dir), targets)
+        read_params = lambda progress: fill_params(placed, restore())  # noqa: E731
     else:
-        source, arrays = "safetensors", load_safetensors(model_dir, targets, progress)
-    params = fill_params(placed, arrays)
-    return LoadedModel(layout.model_config, placed.graphdef, params, target_dtype, model_dir, source, layout.mesh)
+        source, stream = "safetensors", plan_safetensors_load(model_dir, targets)
+        read_params = lambda progress: fill_params(placed, stream(progress))  # noqa: E731
+    return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), target_dtype, model_dir,
+                     source, layout.mesh, read_params)
 
 
 def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> None:
@@ -93,15 +136,16 @@ def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> N
     arrays = load_safetensors(hf_dir, unchanged_targets(abstract.specs), progress, keep_stored_dtype=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     _copy_sidecar_files(hf_dir, out_dir)
-    save_orbax(arrays, orbax_dir(out_dir))
+    save_orbax(checkpoint_tensors(arrays), orbax_dir(out_dir))
 
 
-def _load_builtin(dtype: str, tensor_parallel_size: int) -> LoadedModel:
+def _plan_builtin(dtype: str, tensor_parallel_size: int) -> ModelPlan:
     cfg = LlamaConfig.from_json_file(BUILTIN_MODEL_DIR / CONFIG_FILE)
     layout = plan_tensor_parallel(cfg, tensor_parallel_size)
     target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
-    graphdef, params = builtin_params(layout, target_dtype)
-    return LoadedModel(layout.model_config, graphdef, params, target_dtype, BUILTIN_MODEL_DIR, "builtin", layout.mesh)
+    placed = abstract_params(layout.model_config, target_dtype, layout.param_sharding)
+    return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), target_dtype,
+                     BUILTIN_MODEL_DIR, "builtin", layout.mesh, lambda progress: builtin_params(layout, target_dtype)[1])
 
 
 def _copy_sidecar_files(hf_dir: Path, out_dir: Path) -> None:

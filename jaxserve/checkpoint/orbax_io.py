@@ -21,7 +21,7 @@ Orbax is imported on first use: it adds about a second to start-up that other ru
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax
@@ -38,16 +38,19 @@ _DEVICE_PUT_ALIGNMENT = 64
 _MAX_BYTES_IN_FLIGHT = 2 * 2**30
 
 
-def save_orbax(arrays: Mapping[str, jax.Array], directory: Path) -> None:
-    """Write `arrays` (tensor name -> array, each in the dtype to store) into `directory`, which must not exist."""
+def save_orbax(arrays: Mapping[str, np.ndarray | jax.Array], directory: Path) -> None:
+    """Write `arrays` (checkpoint tensor name -> array, each in the dtype to store) into `directory`, which must not
+    exist."""
     import orbax.checkpoint as ocp
 
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as checkpointer:
         checkpointer.save(directory.absolute(), args=ocp.args.PyTreeSave(dict(arrays)))
 
 
-def restore_orbax(directory: Path, targets: Mapping[str, TensorTarget]) -> dict[str, jax.Array]:
-    """Tensor name -> array for exactly the names in `targets`, restored in each target's shape, dtype and sharding.
+def plan_orbax_restore(directory: Path, targets: Mapping[str, TensorTarget]) -> Callable[[], dict[str, jax.Array]]:
+    """Checks the checkpoint's metadata against `targets` now, so a mismatch fails before anything waits on the
+    weights, and returns the restore: parameter name -> array for exactly the names in `targets`, in each target's
+    shape, dtype and sharding (a stacked parameter's per-layer tensors read side by side into one host buffer).
 
     Tensors stored in another dtype are cast on the host, as the safetensors path does; each device receives only
     its shard. Raises `ModelLoadError` if the checkpoint is unreadable or does not match the config.
@@ -58,10 +61,14 @@ def restore_orbax(directory: Path, targets: Mapping[str, TensorTarget]) -> dict[
     with ocp.StandardCheckpointer() as checkpointer:
         item_metadata = _item_metadata(checkpointer, directory)
     check_tensors_match(_stored_tensors(item_metadata, directory), targets, where=str(directory))
-    try:
-        return _read_tensors(directory, targets, use_zarr3=bool(item_metadata.use_zarr3))
-    except Exception as e:  # TensorStore raises many unrelated types for a damaged checkpoint.
-        raise _damaged(directory, e) from e
+
+    def restore() -> dict[str, jax.Array]:
+        try:
+            return _read_tensors(directory, targets, use_zarr3=bool(item_metadata.use_zarr3))
+        except Exception as e:  # TensorStore raises many unrelated types for a damaged checkpoint.
+            raise _damaged(directory, e) from e
+
+    return restore
 
 
 def _item_metadata(checkpointer, directory: Path):
@@ -84,7 +91,8 @@ def _stored_tensors(item_metadata, directory: Path) -> dict[str, FoundTensor]:
 
 
 def _read_tensors(directory: Path, targets: Mapping[str, TensorTarget], use_zarr3: bool) -> dict[str, jax.Array]:
-    """Read all tensors concurrently, at most `_MAX_BYTES_IN_FLIGHT` at a time, placing each as it completes."""
+    """Read all tensors concurrently, at most `_MAX_BYTES_IN_FLIGHT` at a time (a stacked parameter counting
+    whole), placing each parameter as its reads complete."""
     import orbax.checkpoint as ocp
     import tensorstore as ts
 
@@ -92,15 +100,18 @@ def _read_tensors(directory: Path, targets: Mapping[str, TensorTarget], use_zarr
     orbax_context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
     context = ts.Context({"file_io_mode": {"mode": "memmap"}}, parent=orbax_context)
     opening = {
-        name: ts.open(_read_spec(directory, name, use_ocdbt, use_zarr3), open=True, context=context) for name in targets
+        source: ts.open(_read_spec(directory, source, use_ocdbt, use_zarr3), open=True, context=context)
+        for target in targets.values() for source in target.sources
     }
     arrays: dict[str, jax.Array] = {}
     reading: deque = deque()
     bytes_in_flight = 0
-    for name, store in opening.items():
-        store = store.result()
-        host = _aligned_empty(store.shape, store.dtype.numpy_dtype)
-        reading.append((name, host, ts.array(host).write(store)))
+    for name, target in targets.items():
+        stores = [opening[source].result() for source in target.sources]
+        layers = (len(stores),) if target.stacked else ()
+        host = _aligned_empty((*layers, *stores[0].shape), stores[0].dtype.numpy_dtype)
+        layer_buffers = host if target.stacked else (host,)
+        reading.append((name, host, [ts.array(buffer).write(store) for buffer, store in zip(layer_buffers, stores)]))
         bytes_in_flight += host.nbytes
         while bytes_in_flight > _MAX_BYTES_IN_FLIGHT:
             bytes_in_flight -= _place(reading.popleft(), targets, arrays)
@@ -118,15 +129,16 @@ def _read_spec(directory: Path, name: str, use_ocdbt: bool, use_zarr3: bool) -> 
 
 
 def _place(read: tuple, targets: Mapping[str, TensorTarget], arrays: dict[str, jax.Array]) -> int:
-    """Wait for one read, then cast and put each device's shard on it; return the host bytes the read held."""
-    name, host, written = read
-    written.result()
+    """Wait for one parameter's reads, then cast and put each device's shard on it; return the host bytes it held."""
+    name, host, writes = read
+    for written in writes:
+        written.result()
     target = targets[name]
     if _is_single_device_copy(target):
         # One whole-tensor device_put keeps the aligned buffer's zero-copy adoption on the CPU backend.
         arrays[name] = jax.device_put(_cast(host, target.placed.dtype), target.placed.sharding)
     else:
-        arrays[name] = place_tensor(host, target)
+        arrays[name] = place_tensor(list(host) if target.stacked else [host], target)
     return host.nbytes
 
 

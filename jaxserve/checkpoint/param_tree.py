@@ -1,7 +1,9 @@
-"""The model's parameters as a flat mapping from HF tensor name to array, and back into an `nnx.State`.
+"""The model's parameters as a flat mapping from parameter name to array, and back into an `nnx.State`.
 
-Both checkpoint formats speak in flat names (`model.layers.0.mlp.up_proj.weight`); the model's parameter paths joined
-with "." are exactly those names, so no renaming table exists anywhere.
+Both checkpoint formats speak in HF's flat names (`model.layers.0.mlp.up_proj.weight`). The model's parameter paths
+joined with "." are those names, except that the decoder layers are stacked (`model.layers.mlp.up_proj.weight`,
+f[num_layers, ...]): each parameter's `TensorTarget` lists the checkpoint tensors it is made of
+(`jaxserve/model/param_names.py` has the rule), so no renaming table exists anywhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from flax import nnx
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.param_names import is_stacked, layer_tensor_names, stacked_parameter
 
 MAX_NAMES_IN_MESSAGE = 5
 
@@ -31,13 +34,21 @@ class AbstractParams:
 
 @dataclasses.dataclass(frozen=True)
 class TensorTarget:
-    """Where one checkpoint tensor goes: what the checkpoint must hold, and the array it becomes."""
+    """Where checkpoint tensors go: which ones the checkpoint must hold, and the parameter array they become."""
 
-    stored_shape: tuple[int, ...]  # the shape the checkpoint's config implies (checked before any data is read)
+    # The checkpoint tensors making the parameter: one per layer, in order, for a stacked parameter (stacked on a
+    # new leading axis), else the one tensor of the parameter's own name
+    sources: tuple[str, ...]
+    stored_shape: tuple[int, ...]  # each source's shape as the checkpoint's config implies it (checked before reading)
     placed: jax.ShapeDtypeStruct  # shape the model runs with, target dtype and sharding
-    # i64[placed.shape[0]]: the stored row each placed row copies (KV heads repeated for tensor parallelism);
-    # None: the placed tensor is the stored one
+    # i64[rows]: the stored row each placed row copies (KV heads repeated for tensor parallelism), rows being axis 0
+    # of each source; None: the placed tensor is the stored one
     stored_rows: np.ndarray | None = None
+
+    @property
+    def stacked(self) -> bool:
+        """The parameter stacks its sources (per-layer tensors) on a leading layer axis."""
+        return stacked_parameter(self.sources[0]) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +75,41 @@ def abstract_params(cfg: LlamaConfig, dtype: np.dtype, sharding_of: ShardingOf) 
 
 def tensor_targets(stored: AbstractParams, placed: AbstractParams,
                    stored_rows: Callable[[str], np.ndarray | None]) -> dict[str, TensorTarget]:
-    """Tensor name -> its target, from the checkpoint's layout, the running model's, and the row copies between."""
-    return {name: TensorTarget(stored.specs[name].shape, spec, stored_rows(name))
+    """Parameter name -> its target, from the checkpoint's layout, the running model's, and the row copies between."""
+    return {name: _target(name, stored.specs[name].shape, spec, stored_rows(name))
             for name, spec in placed.specs.items()}
 
 
 def unchanged_targets(specs: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, TensorTarget]:
-    """Targets that place each tensor as stored (one device, or conversion through the host)."""
-    return {name: TensorTarget(spec.shape, spec) for name, spec in specs.items()}
+    """Targets that place each parameter as stored (one device, or conversion through the host)."""
+    return {name: _target(name, spec.shape, spec) for name, spec in specs.items()}
+
+
+def _target(name: str, stored_shape: tuple[int, ...], placed: jax.ShapeDtypeStruct,
+            stored_rows: np.ndarray | None = None) -> TensorTarget:
+    """A stacked parameter's sources are its layers, each of the stored shape without the layer axis."""
+    if not is_stacked(name):
+        return TensorTarget((name,), stored_shape, placed, stored_rows)
+    return TensorTarget(layer_tensor_names(name, stored_shape[0]), stored_shape[1:], placed, stored_rows)
+
+
+def checkpoint_shapes(targets: Mapping[str, TensorTarget]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> the shape the config implies for it: what a checkpoint must hold, exactly."""
+    return {source: target.stored_shape for target in targets.values() for source in target.sources}
+
+
+def checkpoint_tensors(arrays: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Checkpoint tensor name -> host array: stacked parameters split back into HF's per-layer tensors (views)."""
+    tensors = {}
+    for name, array in arrays.items():
+        host = np.asarray(array)
+        layers = layer_tensor_names(name, host.shape[0]) if is_stacked(name) else (name,)
+        tensors.update(zip(layers, host if is_stacked(name) else (host,)))
+    return tensors
 
 
 def tensor_name(path: tuple) -> str:
-    """`("model", "layers", 0, "mlp", "up_proj", "weight")` -> `"model.layers.0.mlp.up_proj.weight"`."""
+    """`("model", "layers", "mlp", "up_proj", "weight")` -> `"model.layers.mlp.up_proj.weight"`."""
     return ".".join(str(part) for part in path)
 
 
@@ -92,13 +126,14 @@ def flat_arrays(params: nnx.State) -> dict[str, jax.Array]:
 
 def check_tensors_match(
     found: Mapping[str, FoundTensor],
-    expected: Mapping[str, TensorTarget],
+    targets: Mapping[str, TensorTarget],
     where: str,
 ) -> None:
     """Raise `ModelLoadError` unless the checkpoint holds exactly the tensors the config implies, in their shapes.
 
     `found` must already exclude tensors the loader deliberately ignores. `where` names the checkpoint folder.
     """
+    expected = checkpoint_shapes(targets)
     missing = [name for name in expected if name not in found]
     if missing:
         raise ModelLoadError(
@@ -111,9 +146,9 @@ def check_tensors_match(
             f"{_some(unexpected)}; does config.json belong to these weights?"
         )
     wrong_shapes = [
-        f"{name} in {found[name].location} has shape {found[name].shape} but config implies {target.stored_shape}"
-        for name, target in expected.items()
-        if found[name].shape != target.stored_shape
+        f"{name} in {found[name].location} has shape {found[name].shape} but config implies {shape}"
+        for name, shape in expected.items()
+        if found[name].shape != shape
     ]
     if wrong_shapes:
         raise ModelLoadError("; ".join(wrong_shapes[:MAX_NAMES_IN_MESSAGE]))

@@ -1,9 +1,10 @@
 """Stream HF safetensors weights onto the devices one tensor at a time, each device receiving only its shard.
 
 Every header is read and checked against the config first, so a wrong config fails in a second rather than after
-minutes of loading. Then each tensor is read from its (memory-mapped) file one device shard at a time (only that
-shard's bytes), cast on the host, copied to its device and waited for before the next tensor: host RAM holds at most
-one tensor's shards (and their cast copies) at any moment.
+minutes of loading. Then each parameter is read from its (memory-mapped) files one device shard at a time (only that
+shard's bytes; a stacked decoder parameter's shard gathers that slice of every layer's tensor), cast on the host,
+copied to its device and waited for before the next parameter: host RAM holds at most one parameter's shards (and
+their cast copies) at any moment.
 
 Casting on the host rather than on the device keeps the device's peak at exactly the target-dtype weights: a device
 cast would briefly hold the stored and the cast copy of a tensor side by side there, where memory is scarcest (and
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import jax
@@ -61,15 +63,25 @@ def load_safetensors(
     progress: bool,
     keep_stored_dtype: bool = False,
 ) -> dict[str, jax.Array]:
-    """Tensor name -> device array, for exactly the names in `targets`, placed and cast as each target says.
+    """Parameter name -> device array, for exactly the names in `targets`, placed and cast as each target says.
 
     With `keep_stored_dtype` each array keeps the dtype it has on disk instead (conversion stores weights unchanged).
     """
+    return plan_safetensors_load(model_dir, targets, keep_stored_dtype)(progress)
+
+
+def plan_safetensors_load(
+    model_dir: Path,
+    targets: Mapping[str, TensorTarget],
+    keep_stored_dtype: bool = False,
+) -> Callable[[bool], dict[str, jax.Array]]:
+    """Checks every header against `targets` now (in a second, before anything waits on the weights) and returns
+    the read itself, which takes `progress` and streams the tensors as `load_safetensors` does."""
     stored = read_checkpoint_headers(model_dir, targets)
     if keep_stored_dtype:
-        targets = {name: dataclasses.replace(target, placed=target.placed.update(dtype=stored[name].dtype))
+        targets = {name: dataclasses.replace(target, placed=target.placed.update(dtype=stored[target.sources[0]].dtype))
                    for name, target in targets.items()}
-    return stream_to_device(stored, targets, progress)
+    return functools.partial(stream_to_device, stored, targets)
 
 
 def read_checkpoint_headers(model_dir: Path, targets: Mapping[str, TensorTarget]) -> dict[str, StoredTensor]:
@@ -88,15 +100,18 @@ def stream_to_device(
     targets: Mapping[str, TensorTarget],
     progress: bool,
 ) -> dict[str, jax.Array]:
-    """Read, cast and transfer one tensor at a time (shard by shard), file by file."""
+    """Read, cast and transfer one parameter at a time (shard by shard), every file open (memory-mapped) at once."""
     arrays = {}
     total_bytes = sum(tensor.nbytes for tensor in stored.values())
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="Loading safetensors", disable=not progress) as bar:
-        for file, names in _names_by_file(stored).items():
-            with open_safetensors(file) as reader:
-                for name in names:
-                    arrays[name] = to_device(tensor_slice(reader, name, file), targets[name], f"{name} from {file}")
-                    bar.update(stored[name].nbytes)
+    with (contextlib.ExitStack() as files,
+          tqdm(total=total_bytes, unit="B", unit_scale=True, desc="Loading safetensors", disable=not progress) as bar):
+        readers = {file: files.enter_context(open_safetensors(file)) for file in _files(stored)}
+        for name, target in targets.items():
+            sources = [tensor_slice(readers[stored[source].file], source, stored[source].file)
+                       for source in target.sources]
+            where = ", ".join(sorted({stored[source].file.name for source in target.sources}))
+            arrays[name] = to_device(sources, target, f"{name} from {where}")
+            bar.update(sum(stored[source].nbytes for source in target.sources))
     return arrays
 
 
@@ -108,13 +123,13 @@ def tensor_slice(reader: safe_open, name: str, file: Path):
         raise ModelLoadError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from None
 
 
-def to_device(source, target: TensorTarget, what: str) -> jax.Array:
+def to_device(sources: list, target: TensorTarget, what: str) -> jax.Array:
     """Read, cast and copy each device's shard, and wait, so host buffers are released before the next tensor.
 
-    `what` names the tensor and its file in the error raised when the data cannot be read.
+    `what` names the parameter and its files in the error raised when the data cannot be read.
     """
     try:
-        return place_tensor(source, target).block_until_ready()
+        return place_tensor(sources, target).block_until_ready()
     except (SafetensorError, OSError) as e:
         raise ModelLoadError(f"cannot read tensor {what} (corrupt file?): {e}") from None
 
@@ -173,8 +188,5 @@ def _is_redundant_output_projection(name: str, tensor: StoredTensor, targets: Ma
     )
 
 
-def _names_by_file(stored: Mapping[str, StoredTensor]) -> dict[Path, list[str]]:
-    by_file: dict[Path, list[str]] = {}
-    for name, tensor in stored.items():
-        by_file.setdefault(tensor.file, []).append(name)
-    return by_file
+def _files(stored: Mapping[str, StoredTensor]) -> list[Path]:
+    return list(dict.fromkeys(tensor.file for tensor in stored.values()))

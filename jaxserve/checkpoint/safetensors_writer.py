@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from jaxserve.checkpoint.builtin import random_params
 from jaxserve.checkpoint.model_files import CONFIG_FILE, SAFETENSORS_INDEX_FILE, SINGLE_SAFETENSORS_FILE
-from jaxserve.checkpoint.param_tree import flat_arrays
+from jaxserve.checkpoint.param_tree import checkpoint_tensors, flat_arrays
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import parse_dtype
 
@@ -36,7 +36,7 @@ def save_random_llama(
     config = {**{key: value for key, value in hf_config.items() if key != "dtype"}, "torch_dtype": dtype}
     cfg = LlamaConfig.from_hf_dict(config)
     _, params = random_params(cfg, parse_dtype(dtype), seed, init_std)
-    tensors = {name: np.asarray(array) for name, array in flat_arrays(params).items()}
+    tensors = {name: np.ascontiguousarray(array) for name, array in checkpoint_tensors(flat_arrays(params)).items()}
     save_safetensors_folder(folder, config, tensors, max_shard_bytes)
     return tensors
 

@@ -1,12 +1,15 @@
 """Build a device array from a host tensor one device slice at a time, so no device receives more than its shard.
 
-The source is anything indexed like numpy: a safetensors slice (`safe_open(...).get_slice(name)`, which reads only
-the requested bytes from the memory-mapped file) or a host array (Orbax's read buffer). Each device's callback
-reads just its index; rows of KV projections repeated for tensor parallelism are gathered from the stored rows.
+Sources are anything indexed like numpy: safetensors slices (`safe_open(...).get_slice(name)`, which read only the
+requested bytes from the memory-mapped file) or host arrays (Orbax's read buffers), one per checkpoint tensor the
+parameter is made of. Each device's callback reads just its index; a stacked parameter's shard is read layer by
+layer straight into one host buffer (so the stacked tensor is never whole on the host), and rows of KV projections
+repeated for tensor parallelism are gathered from the stored rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -15,8 +18,9 @@ import numpy as np
 from jaxserve.checkpoint.param_tree import TensorTarget
 
 
-def place_tensor(source: Any, target: TensorTarget) -> jax.Array:
-    """The device array `target.placed` describes, filled shard by shard from `source` (stored layout) on the host.
+def place_tensor(sources: Sequence[Any], target: TensorTarget) -> jax.Array:
+    """The device array `target.placed` describes, filled shard by shard from `sources` (one per entry of
+    `target.sources`, in the stored layout) on the host.
 
     Casting happens per shard on the host, so the device never holds the stored dtype beside the target one.
     Devices holding the same slice (replicas) share one read.
@@ -26,10 +30,23 @@ def place_tensor(source: Any, target: TensorTarget) -> jax.Array:
 
     def read_device_shard(index: tuple[slice, ...]) -> np.ndarray:
         if index not in shards:
-            shards[index] = read_shard(source, index, target.stored_rows).astype(placed.dtype, copy=False)
+            shards[index] = (_read_stacked_shard(sources, index, target) if target.stacked
+                             else read_shard(sources[0], index, target.stored_rows).astype(placed.dtype, copy=False))
         return shards[index]
 
     return jax.make_array_from_callback(placed.shape, placed.sharding, read_device_shard)
+
+
+def _read_stacked_shard(sources: Sequence[Any], index: tuple[slice, ...], target: TensorTarget) -> np.ndarray:
+    """`placed[index]` of a stacked parameter: its layers' shards written (and cast) into one buffer as read."""
+    layers = range(len(sources))[index[0]]
+    shard = None
+    for position, layer in enumerate(layers):
+        layer_shard = read_shard(sources[layer], index[1:], target.stored_rows)
+        if shard is None:
+            shard = np.empty((len(layers), *layer_shard.shape), target.placed.dtype)
+        shard[position] = layer_shard
+    return shard
 
 
 def read_shard(source: Any, index: tuple[slice, ...], stored_rows: np.ndarray | None) -> np.ndarray:

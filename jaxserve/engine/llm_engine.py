@@ -19,19 +19,18 @@ from collections.abc import Sequence as SequenceOf
 import jax
 import numpy as np
 
+from jaxserve.checkpoint import LoadedModel, ModelPlan
 from jaxserve.config import EngineConfig
-from jaxserve.device_memory import allocator_fraction
-from jaxserve.engine.kv_sizing import device_memory_stats, resolve_num_pages
 from jaxserve.engine.logprobs import SampledToken, candidate_logprobs
 from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.startup import start_runner
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
-from jaxserve.parallel.process_group import smallest_across_processes
-from jaxserve.runner.model_runner import ModelRunner, PendingStep, PromptScores, SampledBatch
+from jaxserve.runner.model_runner import PendingStep, PromptScores, SampledBatch
 from jaxserve.runner.sampler import uses_penalties
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.schedule import SchedulerOutput
@@ -76,16 +75,14 @@ class _InFlight:
 class LLMEngine:
     """Owns the scheduler and the model runner; `step()` advances every request by one iteration."""
 
-    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, progress: bool = True):
-        """`config` with max_model_len resolved (EngineConfig.with_model_limit); the pool is sized here."""
+    def __init__(self, model: LoadedModel | ModelPlan, tokenizer: Tokenizer, config: EngineConfig,
+                 progress: bool = True):
+        """`config` with max_model_len resolved (EngineConfig.with_model_limit); the pool is sized here. Given a
+        ModelPlan, its weights are read while the step programs compile (`start_runner`)."""
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
-        _enable_compilation_cache(config)
-        self.runner = ModelRunner(model.config, model.graphdef, model.params, model.dtype, config, model.mesh)
-        self.config = config.with_pool(_pool_pages(model, config, self.runner))
-        self.runner.allocate_pool(self.config.num_kv_pages)
+        self.runner, self.config, self.startup_stats = start_runner(model, config, progress)
         self.scheduler = Scheduler(self.config)
-        self.runner.warm_up(progress)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
         self._arrivals = itertools.count()
@@ -263,27 +260,3 @@ def _sampled_token(batch: SampledBatch | PromptScores, row: int, num_top: int) -
     top = tuple((int(t), float(lp)) for t, lp in zip(batch.top_ids[row, :num_top], batch.top_logprobs[row, :num_top]))
     return SampledToken(token_id=int(batch.token_ids[row]), logprob=float(batch.logprobs[row]),
                         rank=int(batch.ranks[row]), top=top)
-
-
-def _pool_pages(model, config: EngineConfig, runner: ModelRunner) -> int:
-    """The pool's size; sized from device memory, it leaves room for the largest step's activation workspace.
-
-    In a multi-process group every process takes the smallest count, so all compile the same programs.
-    """
-    stats = device_memory_stats() if config.num_kv_pages is None and config.kv_cache_memory_gb is None else None
-    workspace = runner.largest_step_workspace_bytes() if stats is not None else 0
-    pages = resolve_num_pages(model.config, model.dtype, page_size=config.block_size,
-                              tensor_parallel_size=model.mesh.size if model.mesh is not None else 1,
-                              max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                              num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
-                              gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
-                              workspace_bytes=workspace, allocator_share=allocator_fraction())
-    return smallest_across_processes(pages)
-
-
-def _enable_compilation_cache(config: EngineConfig) -> None:
-    """JAX's persistent cache: a restart (or a second engine of the same shapes) loads programs instead of compiling."""
-    if config.compilation_cache_dir is None:
-        return
-    jax.config.update("jax_compilation_cache_dir", str(config.compilation_cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

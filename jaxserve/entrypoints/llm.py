@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
-from jaxserve.checkpoint import LoadedModel, load_model
+from jaxserve.checkpoint import ModelPlan, plan_model
 from jaxserve.config import EngineConfig, config_from
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.prompt_checks import check_prompt_tokens
@@ -44,9 +44,9 @@ class LLM:
         """The weights and tokenizer of `config`, and the config with the model's length limit filled in."""
         # Before loading: a backend that cannot run here must not wait for the weights.
         config.attention_implementation(jax.default_backend())
-        self.model: LoadedModel = load_model(Path(config.model) if config.model is not None else None,
-                                             dtype=config.dtype, progress=progress,
-                                             tensor_parallel_size=config.tensor_parallel_size)
+        # The weights are read when the engine starts, while its step programs compile.
+        self.model: ModelPlan = plan_model(Path(config.model) if config.model is not None else None,
+                                           dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer: Tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer is not None
                                                    else self.model.model_dir)
         self.config = config.with_model_limit(self.model.config.max_position_embeddings)

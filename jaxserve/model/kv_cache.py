@@ -14,7 +14,7 @@ class KVCache(Protocol):
 
     def update_and_attend(
         self,
-        layer: int,  # which layer's K/V
+        layer: jax.Array,  # i32[]: which layer's K/V (traced: the model scans over its layers)
         q: jax.Array,  # f[batch, tokens, heads, head_dim], already rotated
         k: jax.Array,  # f[batch, tokens, kv_heads, head_dim], already rotated
         v: jax.Array,  # f[batch, tokens, kv_heads, head_dim]

@@ -1,8 +1,14 @@
-"""Llama as Flax NNX modules whose parameter paths are HF's tensor names.
+"""Llama as Flax NNX modules whose parameter paths are HF's tensor names, with the decoder layers stacked.
 
-`LlamaForCausalLM` holds `model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, ... and
-`lm_head.weight`, in HF's `[out, in]` layout, so a checkpoint tensor lands in the parameter of the same dotted name
-with no transpose or renaming. Callers split the module once (`nnx.split`) and jit pure functions over its state.
+`LlamaForCausalLM` holds `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight` and one stacked decoder
+layer, `model.layers`, whose every parameter carries a leading layer axis: `model.layers.self_attn.q_proj.weight` is
+f[num_layers, out, in], layer i of it being HF's `model.layers.i.self_attn.q_proj.weight` in HF's `[out, in]` layout
+(the loaders stack HF's per-layer tensors as they read them; `jaxserve/checkpoint/param_tree.py` maps the names).
+
+The stack runs as one `jax.lax.scan` over the layer axis, so a step program holds one layer's code whatever the
+depth: its size and compile time do not grow with the number of layers. The KV cache receives the layer index
+(a traced scalar) with every call, and indexes its whole pool with it rather than being handed a copied slice.
+Callers split the module once (`nnx.split`) and jit pure functions over its state.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_si
 class Linear(nnx.Module):
     """y = x @ weight.T (+ bias), with weight f[out, in] as HF stores it."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs, init_std: float):
-        self.weight = nnx.Param(init_std * jax.random.normal(rngs.params(), (out_features, in_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs, init_std: float,
+                 stack: tuple[int, ...] = ()):
+        # `stack`: leading axes of stacked copies (the layer axis); the forward pass sees one copy.
+        self.weight = nnx.Param(init_std * jax.random.normal(rngs.params(), (*stack, out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("...i,oi->...o", x, self.weight[...])
@@ -31,8 +39,8 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
     """Root-mean-square norm computed in float32, cast back before the weight multiplies (as HF does)."""
 
-    def __init__(self, size: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((size,), dtype))
+    def __init__(self, size: int, eps: float, dtype, stack: tuple[int, ...] = ()):
+        self.weight = nnx.Param(jnp.ones((*stack, size), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -54,33 +62,32 @@ class Embedding(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention; the KV cache decides where K/V live and how they are read."""
 
-    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, init_std: float):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...]):
         hidden, hd = cfg.hidden_size, cfg.head_dim
-        linear = dict(bias=cfg.attention_bias, dtype=dtype, rngs=rngs, init_std=init_std)
+        linear = dict(bias=cfg.attention_bias, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
         self.q_proj = Linear(hidden, cfg.num_attention_heads * hd, **linear)
         self.k_proj = Linear(hidden, cfg.num_key_value_heads * hd, **linear)
         self.v_proj = Linear(hidden, cfg.num_key_value_heads * hd, **linear)
         self.o_proj = Linear(cfg.num_attention_heads * hd, hidden, **linear)
-        self.layer = layer
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = hd
 
-    def __call__(self, x, cos, sin, positions, cache: KVCache):
+    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array):
         batch, tokens, _ = x.shape
         q = self.q_proj(x).reshape(batch, tokens, self.heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, tokens, self.kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, tokens, self.kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out, cache = cache.update_and_attend(self.layer, q, k, v, positions, scale=self.head_dim**-0.5)
+        out, cache = cache.update_and_attend(layer, q, k, v, positions, scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(batch, tokens, self.heads * self.head_dim)), cache
 
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float):
-        linear = dict(bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, init_std=init_std)
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...]):
+        linear = dict(bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **linear)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **linear)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **linear)
@@ -90,16 +97,17 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP. Built with `stack=(num_layers,)` it holds every layer's
+    parameters on a leading axis; `__call__` runs on one layer's slice of them (inside the model's scan)."""
 
-    def __init__(self, cfg: LlamaConfig, layer: int, *, dtype, rngs: nnx.Rngs, init_std: float):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs, init_std=init_std)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, init_std=init_std)
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...] = ()):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, stack)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, stack)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
 
-    def __call__(self, x, cos, sin, positions, cache: KVCache):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
+    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
@@ -109,20 +117,26 @@ class LlamaModel(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs, init_std=init_std)
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, init_std=init_std) for i in range(cfg.num_hidden_layers)]
-        )
+        self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, init_std=init_std, stack=(cfg.num_hidden_layers,))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rope = cfg.rope
         self.head_dim = cfg.head_dim
+        self.num_layers = cfg.num_hidden_layers
 
     def __call__(self, tokens, positions, cache: KVCache):
         # A trace-time numpy constant, so it never becomes a parameter.
         cos, sin = rotary_cos_sin(positions, inverse_frequencies(self.rope, self.head_dim))
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            with jax.named_scope(f"layer_{layer.self_attn.layer}"):
-                x, cache = layer(x, cos, sin, positions, cache)
+        layer_def, stacked = nnx.split(self.layers)
+
+        def run_layer(carry, layer_inputs):
+            x, cache = carry
+            params, index = layer_inputs  # one layer's slice of every parameter, its index i32[]
+            with jax.named_scope("decoder_layer"):
+                return nnx.merge(layer_def, params)(x, cos, sin, positions, cache, index), None
+
+        layer_indices = jnp.arange(self.num_layers, dtype=jnp.int32)  # i32[num_layers]
+        (x, cache), _ = jax.lax.scan(run_layer, (x, cache), (stacked, layer_indices))
         return self.norm(x), cache
 
 

@@ -5,7 +5,14 @@ concatenated, padded to a bucket). `PagedAttentionMetadata` tells the step where
 pages each sequence reads. The pool is donated state: it enters the jitted step, each layer scatters this step's K/V
 into it (in place, since the buffer is donated) and attends over it, and the updated pool comes back out.
 
-Page 0 is the null page: it stays all-zero, padded block-table entries point at it, and padding tokens never write
+The pool keeps every layer: f[kv_heads, num_layers, num_pages, page_size, head_dim]. The model scans over its layers
+and hands the cache a traced layer index; the write and the attention receive the whole pool with that index, never
+a slice of it (a slice passed into a kernel or carried out of a loop iteration could be materialised as a copy of a
+whole layer's pages). Since KV heads lead and layers follow, the pool of one KV head viewed as
+[num_layers * num_pages, page_size, head_dim] is a free reshape, in which layer l's page p is page l * num_pages + p:
+so attention needs only block tables offset by l * num_pages, and the kernels stay layer-agnostic.
+
+Page 0 (of every layer) is the null page: it stays all-zero, padded block-table entries point at it, and padding tokens never write
 into it (their slot is out of range and the scatter drops it). Freed pages keep whatever they held; attention masks
 every slot a query may not see, and masks V with `where` (not a multiply) so stale or NaN slots never reach an
 output.
@@ -74,6 +81,26 @@ class PagedAttentionFn(Protocol):
         scale: float,
     ) -> jax.Array:  # f[T, heads, head_dim]
         ...
+
+
+def layer_view(
+    pages: jax.Array,  # f[kv_heads, num_layers, num_pages, page_size, head_dim]
+    metadata: PagedAttentionMetadata,
+    layer: jax.Array,  # i32[]
+) -> tuple[jax.Array, PagedAttentionMetadata]:  # f[kv_heads, num_layers * num_pages, page_size, head_dim], offset
+    """The whole pool as one page space per KV head (a reshape, free), with block tables and slots pointing at
+    `layer`'s pages in it: what a one-layer attention or write reads to act on that layer alone.
+
+    Padding tokens' slots (negative) stay negative, so their writes are still dropped rather than landing in
+    another layer.
+    """
+    kv_heads, num_layers, num_pages, page_size, head_dim = pages.shape
+    flat = pages.reshape(kv_heads, num_layers * num_pages, page_size, head_dim)
+    page_offset = layer * num_pages  # i32[]
+    slot_mapping = jnp.where(metadata.slot_mapping >= 0, metadata.slot_mapping + page_offset * page_size,
+                             metadata.slot_mapping)
+    return flat, dataclasses.replace(metadata, block_tables=metadata.block_tables + page_offset,
+                                     slot_mapping=slot_mapping)
 
 
 def paged_attention_xla(
@@ -201,11 +228,11 @@ ATTENTION_BACKENDS: types.MappingProxyType[str, PagedAttentionFn] = types.Mappin
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    """The page pool (one K and one V array per layer), plus the current step's metadata.
+    """The page pool (one K and one V array holding every layer), plus the current step's metadata.
 
-    Layout f[kv_heads, num_pages, page_size, head_dim]: KV heads lead so tensor parallelism shards the pool on its
-    first axis, and one (head, page) is a contiguous [page_size, head_dim] tile, the unit a GPU kernel copies per
-    page (the layout of JAX's Pallas GPU paged attention). A token's write touches kv_heads rows of head_dim,
+    Layout f[kv_heads, num_layers, num_pages, page_size, head_dim]: KV heads lead so tensor parallelism shards the
+    pool on its first axis, and one (head, layer, page) is a contiguous [page_size, head_dim] tile, the unit a GPU
+    kernel copies per page (the layout of JAX's Pallas GPU paged attention, with layers as more pages). A token's write touches kv_heads rows of head_dim,
     which costs the scatter nothing.
 
     The pool without metadata (`metadata=None`) is the state the runner keeps and donates; inside the jitted step
@@ -213,8 +240,8 @@ class PagedKVCache:
     so the metadata is an ordinary (non-donated) input.
     """
 
-    k_pages: tuple[jax.Array, ...]  # per layer f[kv_heads, num_pages, page_size, head_dim]
-    v_pages: tuple[jax.Array, ...]  # per layer f[kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array  # f[kv_heads, num_layers, num_pages, page_size, head_dim]
+    v_pages: jax.Array  # f[kv_heads, num_layers, num_pages, page_size, head_dim]
     metadata: PagedAttentionMetadata | None = None  # this step's batch layout; None outside the step
     # Which ATTENTION_BACKENDS entry attends. Static: part of the tree structure, so jit keys its cache on it.
     attention_backend: str = dataclasses.field(default=XLA_BACKEND, metadata=dict(static=True))
@@ -232,21 +259,21 @@ class PagedKVCache:
               attention_backend: str = XLA_BACKEND, pool_sharding: NamedSharding | None = None) -> PagedKVCache:
         """A zero-filled pool (zeros, not jnp.empty: the null page must be zero and stale memory must not leak),
         created in place on each device when `pool_sharding` is given."""
-        shape = (kv_heads, num_pages, page_size, head_dim)
+        shape = (kv_heads, num_layers, num_pages, page_size, head_dim)
         return cls(
-            k_pages=tuple(jnp.zeros(shape, dtype, device=pool_sharding) for _ in range(num_layers)),
-            v_pages=tuple(jnp.zeros(shape, dtype, device=pool_sharding) for _ in range(num_layers)),
+            k_pages=jnp.zeros(shape, dtype, device=pool_sharding),
+            v_pages=jnp.zeros(shape, dtype, device=pool_sharding),
             attention_backend=attention_backend,
             pool_sharding=pool_sharding,
         )
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages[0].shape[1]
+        return self.k_pages.shape[2]
 
     @property
     def page_size(self) -> int:
-        return self.k_pages[0].shape[2]
+        return self.k_pages.shape[3]
 
     def with_metadata(self, metadata: PagedAttentionMetadata) -> PagedKVCache:
         return dataclasses.replace(self, metadata=metadata)
@@ -256,7 +283,7 @@ class PagedKVCache:
 
     def update_and_attend(
         self,
-        layer: int,
+        layer: jax.Array,  # i32[]
         q: jax.Array,  # f[1, T, heads, head_dim], already rotated
         k: jax.Array,  # f[1, T, kv_heads, head_dim], already rotated
         v: jax.Array,  # f[1, T, kv_heads, head_dim]
@@ -274,14 +301,9 @@ class PagedKVCache:
         write_and_attend = functools.partial(_write_and_attend, ATTENTION_BACKENDS[self.attention_backend], scale)
         if self.pool_sharding is not None:
             write_and_attend = _per_head_shard(write_and_attend, self.pool_sharding)
-        out, new_k, new_v = write_and_attend(q[0], k[0], v[0], self.k_pages[layer], self.v_pages[layer],
-                                             self.metadata, positions[0])
-        cache = dataclasses.replace(
-            self,
-            k_pages=tuple(new_k if i == layer else pages for i, pages in enumerate(self.k_pages)),
-            v_pages=tuple(new_v if i == layer else pages for i, pages in enumerate(self.v_pages)),
-        )
-        return out[None], cache
+        out, new_k, new_v = write_and_attend(q[0], k[0], v[0], self.k_pages, self.v_pages, self.metadata,
+                                             positions[0], layer)
+        return out[None], dataclasses.replace(self, k_pages=new_k, v_pages=new_v)
 
 
 def _write_and_attend(
@@ -290,14 +312,18 @@ def _write_and_attend(
     q: jax.Array,  # f[T, heads, head_dim], already rotated
     k: jax.Array,  # f[T, kv_heads, head_dim], already rotated
     v: jax.Array,  # f[T, kv_heads, head_dim]
-    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # f[kv_heads, num_layers, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # f[kv_heads, num_layers, num_pages, page_size, head_dim]
     metadata: PagedAttentionMetadata,
     positions: jax.Array,  # i32[T]
+    layer: jax.Array,  # i32[]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f[T, heads, head_dim], the updated k_pages and v_pages
-    new_k = write_slots(k_pages, k, metadata.slot_mapping)
-    new_v = write_slots(v_pages, v, metadata.slot_mapping)
-    return attend(q, new_k, new_v, metadata, positions, scale), new_k, new_v
+    flat_k, layer_metadata = layer_view(k_pages, metadata, layer)
+    flat_v, _ = layer_view(v_pages, metadata, layer)
+    flat_k = write_slots(flat_k, k, layer_metadata.slot_mapping)
+    flat_v = write_slots(flat_v, v, layer_metadata.slot_mapping)
+    out = attend(q, flat_k, flat_v, layer_metadata, positions, scale)
+    return out, flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)
 
 
 def _per_head_shard(write_and_attend, pool_sharding: NamedSharding):
@@ -310,7 +336,7 @@ def _per_head_shard(write_and_attend, pool_sharding: NamedSharding):
     head_axis = pool_sharding.spec[0]
     by_head = P(None, head_axis, None)  # f[T, heads, head_dim]
     return jax.shard_map(write_and_attend, mesh=pool_sharding.mesh,
-                         in_specs=(by_head, by_head, by_head, pool_sharding.spec, pool_sharding.spec, P(), P()),
+                         in_specs=(by_head, by_head, by_head, pool_sharding.spec, pool_sharding.spec, P(), P(), P()),
                          out_specs=(by_head, pool_sharding.spec, pool_sharding.spec),
                          # The bodies are one-device code that the varying-axis check rejects: the reference's loop
                          # state starts as unvarying constants, and pallas_call's out_shape names no varying axes.

@@ -27,13 +27,14 @@ def all_gather_shapes(hlo: str) -> list[str]:
 
 
 def predicted_step_collectives(cfg: LlamaConfig, tensor_parallel_size: int) -> dict[str, int]:
-    """What one step program should run over `tensor_parallel_size` devices: two all-reduces per layer (after the
-    row-parallel o_proj and down_proj), and, when the mesh divides the vocabulary (so embedding and lm_head are
+    """What one step program's text should hold over `tensor_parallel_size` devices: two all-reduces in the layer
+    body (after the row-parallel o_proj and down_proj; the body is written once and runs once per layer, so the
+    text holds two whatever the depth), and, when the mesh divides the vocabulary (so embedding and lm_head are
     split over it), one all-reduce for the embedding lookup and one all-gather of the sampled rows' logits."""
     if tensor_parallel_size == 1:
         return {}
     vocab_split = cfg.vocab_size % tensor_parallel_size == 0
-    predicted = {"all-reduce": 2 * cfg.num_hidden_layers + int(vocab_split)}
+    predicted = {"all-reduce": 2 + int(vocab_split)}
     if vocab_split:
         predicted["all-gather"] = 1
     return predicted

@@ -11,7 +11,10 @@ all-reduce of f[T, hidden], and logits come out split over the vocabulary, to be
 sampler reads (f[S, vocab], S sequences, not T tokens). A hidden split would instead all-gather the residual
 stream after every lookup and need a reduction inside the logits. Norm weights are tiny and replicated.
 
-The KV pool f[kv_heads, num_pages, page_size, head_dim] is split over KV heads, so each device owns whole KV heads
+The decoder layers' parameters are stacked on a leading layer axis (`model.layers.mlp.up_proj.weight` is
+f[num_layers, out, in]); the rules are written for one layer's `[out, in]` and that axis is never split.
+
+The KV pool f[kv_heads, num_layers, num_pages, page_size, head_dim] is split over KV heads, so each device owns whole KV heads
 and the query heads that read them, and attention needs no communication at all. When a model has fewer KV heads
 than devices, each KV head is repeated at load time (rows of k_proj/v_proj), so the model runs with N KV heads.
 """
@@ -28,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.errors import ConfigError
 from jaxserve.model.config import LlamaConfig
+from jaxserve.model.param_names import is_stacked
 from jaxserve.parallel.mesh import TP_AXIS, check_positive_size, make_tp_mesh
 
 COLUMN_PARALLEL = P(TP_AXIS, None)  # f[out, in] split over out
@@ -49,8 +53,8 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"^lm_head\.weight$", COLUMN_PARALLEL),  # f[vocab, hidden] split over the vocabulary
     (r"norm\.weight$", REPLICATED),
 )
-# f[kv_heads, num_pages, page_size, head_dim]: whole KV heads per device.
-KV_POOL_SPEC = P(TP_AXIS, None, None, None)
+# f[kv_heads, num_layers, num_pages, page_size, head_dim]: whole KV heads per device.
+KV_POOL_SPEC = P(TP_AXIS, None, None, None, None)
 # Rows of k_proj/v_proj (weights and biases): one block of head_dim rows per KV head.
 _KV_PROJECTION = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
 
@@ -61,10 +65,11 @@ def logits_partition_spec(vocab_size: int, mesh: Mesh) -> P:
 
 
 def param_partition_spec(name: str) -> P:
-    """The rule's partition for tensor `name`; raises ValueError for a name no rule covers."""
+    """The rule's partition for parameter `name` (a stacked one with its layer axis whole); raises ValueError for
+    a name no rule covers."""
     for pattern, spec in PARAM_RULES:
         if re.search(pattern, name):
-            return spec
+            return P(None, *spec) if is_stacked(name) else spec
     raise ValueError(f"no sharding rule covers parameter {name}")
 
 
@@ -110,6 +115,7 @@ class TensorParallelLayout:
 
     def stored_rows(self, name: str) -> np.ndarray | None:
         """i64[rows of the model's tensor]: the stored row each row of tensor `name` copies; None where they agree.
+        For a stacked parameter the rows are those of each layer's slice (axis 1 of the stacked array).
 
         Copy c of stored KV head h becomes KV head h * copies + c, so query head q, which read KV head
         q // group with group = heads / kv_heads, now reads head q // (group / copies), one of h's copies: the

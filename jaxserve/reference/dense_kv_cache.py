@@ -15,22 +15,19 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseKVCache:
-    """Keys and values for `batch` sequences of up to `max_len` tokens, one array pair per layer."""
+    """Keys and values for `batch` sequences of up to `max_len` tokens of every layer."""
 
-    keys: tuple[jax.Array, ...]  # per layer f[batch, max_len, kv_heads, head_dim]
-    values: tuple[jax.Array, ...]  # per layer f[batch, max_len, kv_heads, head_dim]
+    keys: jax.Array  # f[num_layers, batch, max_len, kv_heads, head_dim]
+    values: jax.Array  # f[num_layers, batch, max_len, kv_heads, head_dim]
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype) -> DenseKVCache:
-        shape = (batch, max_len, kv_heads, head_dim)
-        return cls(
-            keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-        )
+        shape = (num_layers, batch, max_len, kv_heads, head_dim)
+        return cls(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype))
 
     def update_and_attend(
         self,
-        layer: int,
+        layer: jax.Array,  # i32[]
         q: jax.Array,  # f[batch, tokens, heads, head_dim], already rotated
         k: jax.Array,  # f[batch, tokens, kv_heads, head_dim], already rotated
         v: jax.Array,  # f[batch, tokens, kv_heads, head_dim]
@@ -43,14 +40,10 @@ class DenseKVCache:
         `max_len` (bucket padding) are dropped rather than clamped, so they can never overwrite real entries.
         """
         rows = jnp.arange(q.shape[0])[:, None]  # i32[batch, 1]
-        new_k = self.keys[layer].at[rows, positions].set(k, mode="drop")
-        new_v = self.values[layer].at[rows, positions].set(v, mode="drop")
-        out = dense_causal_attention(q, new_k, new_v, positions, scale)
-        cache = DenseKVCache(
-            keys=_replace_at(self.keys, layer, new_k),
-            values=_replace_at(self.values, layer, new_v),
-        )
-        return out, cache
+        keys = self.keys.at[layer, rows, positions].set(k, mode="drop")
+        values = self.values.at[layer, rows, positions].set(v, mode="drop")
+        out = dense_causal_attention(q, keys[layer], values[layer], positions, scale)
+        return out, DenseKVCache(keys=keys, values=values)
 
 
 def dense_causal_attention(
@@ -71,7 +64,3 @@ def dense_causal_attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(batch, tokens, heads, head_dim).astype(q.dtype)
-
-
-def _replace_at(items: tuple, index: int, item) -> tuple:
-    return items[:index] + (item,) + items[index + 1:]

@@ -26,7 +26,8 @@ class ReferenceLLM(LLM):
     def __init__(self, model: str | Path | None = None, *, use_tqdm_on_load: bool = False, **settings: Any):
         self._load(config_from({**settings, "model": model}), use_tqdm_on_load)
         self.engine = None
-        self._decoder = DenseDecoder(self.model.config, self.model.graphdef, self.model.params, self.model.dtype,
+        loaded = self.model.load(use_tqdm_on_load)
+        self._decoder = DenseDecoder(loaded.config, loaded.graphdef, loaded.params, loaded.dtype,
                                      max_batch=self.config.max_num_seqs, seed=self.config.seed)
 
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

@@ -1,6 +1,7 @@
 """`ModelRunner`: turns scheduled chunks into padded device inputs and runs the AOT-compiled step for their bucket.
 
-Every bucket (token count × sequence rows × sampler variant) is compiled at start-up; after that a compile is a bug
+Every bucket is compiled at start-up, against abstract weights and pool (shapes, dtypes and shardings only), so
+compiling needs neither the weights nor the pool and can run while the weights load; after that a compile is a bug
 that the CompileGuard raises (or logs). The KV pool lives here and is donated through every step. Steps are
 dispatched asynchronously: `execute` returns at once with a `PendingStep`, whose sampled tokens start copying to
 the host right away, so the caller can schedule the next step while this one runs.
@@ -22,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import time
 from collections.abc import Sequence
 
 import jax
@@ -97,8 +99,20 @@ class PendingStep:
                             prompt_scores={span.row: _span_scores(prompt, span) for span in self._prompt_spans})
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmupStats:
+    """What compiling the step programs cost at start-up."""
+
+    programs: int  # step programs compiled (or loaded from the persistent compilation cache)
+    lower_seconds: float  # tracing and lowering all of them, in this thread
+    compile_seconds: float  # wall time from the first compile started to the last one done (they run in parallel)
+
+
 class ModelRunner:
     """Owns the weights, the KV pool and the compiled step programs.
+
+    The weights given may be abstract (`jax.ShapeDtypeStruct` leaves with their shardings): programs compile
+    against them, and `load_params` attaches the real ones before the first step.
 
     Under tensor parallelism (`mesh` with more than one device) the weights arrive sharded by the rules, the pool is
     split over KV heads, and every step input and output other than the pool is replicated: each program's
@@ -110,7 +124,8 @@ class ModelRunner:
                  config: EngineConfig, mesh: Mesh | None = None):
         self.config = config
         self.model_config = model_config
-        self.params = params
+        self.params = params  # abstract until load_params, where given so
+        self._abstract_params = jax.tree.map(_abstract, params)
         self.dtype = dtype  # of the weights and the KV pool
         self.mesh = mesh if mesh is not None else make_tp_mesh(1)  # the weights' tensor-parallel mesh
         self.attention_backend = config.attention_implementation(jax.default_backend())
@@ -130,49 +145,69 @@ class ModelRunner:
                                static_argnames="num_top_logprobs", donate_argnames="pool",
                                out_shardings=(self._replicated, self._pool_sharding))
         self._programs: dict[StepBucket, jax.stages.Compiled] = {}
+        self.warmup_stats: WarmupStats | None = None  # set by warm_up
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
         # The per-step broadcast when the mesh spans processes; None on one process.
         self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_arrays) if spans_processes(self.mesh)
                          else None)
 
-    def largest_step_workspace_bytes(self) -> int:
+    def largest_step_workspace_bytes(self, num_pages: int = 2) -> int:
         """Temporary memory of the largest step (all tokens, all rows, full sampler) on one device, from XLA's
         analysis of the (per-device, under tensor parallelism) program.
 
-        Compiled against a two-page pool (the workspace does not grow with the pool), before the real pool exists,
-        so the pool can be sized to what is left.
+        Compiled against a pool of `num_pages` pages, by default two: the workspace does not grow with the pool
+        (layers index the whole pool; no layer's pages are ever copied), so it is measured before the real pool
+        exists, and the pool is sized to what is left.
         """
         largest = self.buckets.select(self.config.max_num_batched_tokens, self.config.max_num_seqs, penalties=True,
                                       truncation=True)
-        analysis = self._lower(largest, self._fresh_pool(num_pages=2)).compile().memory_analysis()
+        with self.guard.watch():
+            analysis = self._lower(largest, num_pages).compile().memory_analysis()
         return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+
+    def load_params(self, params: nnx.State) -> None:
+        """Attaches the real weights, which must match the abstract ones the programs were compiled for."""
+        if jax.tree.map(_abstract, params) != self._abstract_params:
+            raise ValueError("the loaded weights differ in shape, dtype or sharding from those compiled for")
+        self.params = params
 
     def allocate_pool(self, num_pages: int) -> None:
         """The zeroed KV pool of `num_pages` pages (the null page included) that every step donates and gets back."""
         self.pool = self._fresh_pool(num_pages)
 
-    def warm_up(self, progress: bool = True) -> None:
-        """Compiles every bucket ahead of time, then arms the guard: no compile may follow.
+    def warm_up(self, num_pages: int, progress: bool = True) -> None:
+        """Compiles every bucket ahead of time for a pool of `num_pages` pages, then arms the guard: no compile may
+        follow. Needs neither the weights nor the pool.
 
-        Lowering runs here; the XLA compiles run on a thread pool (they release the GIL), one per core.
+        Each program is lowered here, then compiled on a thread pool (XLA compiles release the GIL), one per core,
+        while the next ones lower. The progress bar counts programs done of the total.
         """
         buckets = self.buckets.all_buckets()
-        with self.guard.watch():
-            lowered = [self._lower(bucket, self.pool) for bucket in buckets]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            compiled = pool.map(self._compile_watched, lowered)
-            for bucket, program in zip(buckets, tqdm(compiled, total=len(buckets), desc="compile", unit="program",
-                                                     disable=not progress)):
-                self._programs[bucket] = program
+        started = time.perf_counter()
+        lower_seconds = 0.0
+        with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
+              tqdm(total=len(buckets), desc=f"compile {len(buckets)} step programs", unit="program",
+                   disable=not progress) as bar):
+            compiling = {}
+            for bucket in buckets:
+                lower_started = time.perf_counter()
+                with self.guard.watch():
+                    lowered = self._lower(bucket, num_pages)
+                lower_seconds += time.perf_counter() - lower_started
+                compiling[workers.submit(self._compile_watched, lowered)] = bucket
+            for done in concurrent.futures.as_completed(compiling):
+                self._programs[compiling[done]] = done.result()
+                bar.update()
+        self.warmup_stats = WarmupStats(len(buckets), lower_seconds, time.perf_counter() - started)
         if self._channel is not None:
             with self.guard.watch():
                 self._channel.warm_up()
         self.guard.arm()
 
-    def _lower(self, bucket: StepBucket, pool: PagedKVCache) -> jax.stages.Lowered:
+    def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
         arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
                               self._padding_arrays(bucket))
-        return self._jitted.lower(self.params, pool, self._last_tokens, arrays,
+        return self._jitted.lower(self._abstract_params, self._pool_shape(num_pages), self._last_tokens, arrays,
                                   num_top_logprobs=self.config.max_logprobs)
 
     def _compile_watched(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
@@ -209,9 +244,18 @@ class ModelRunner:
         self._last_rows = {}
 
     def _fresh_pool(self, num_pages: int) -> PagedKVCache:
-        return PagedKVCache.zeros(self.model_config.num_hidden_layers, num_pages, self.config.block_size,
-                                  self.model_config.num_key_value_heads, self.model_config.head_dim, self.dtype,
-                                  attention_backend=self.attention_backend, pool_sharding=self._pool_sharding)
+        return PagedKVCache.zeros(*self._pool_dims(num_pages), attention_backend=self.attention_backend,
+                                  pool_sharding=self._pool_sharding)
+
+    def _pool_shape(self, num_pages: int) -> PagedKVCache:
+        """The pool's shapes, dtypes and shardings (nothing allocated)."""
+        shapes = jax.eval_shape(functools.partial(self._fresh_pool, num_pages))
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._pool_sharding), shapes)
+
+    def _pool_dims(self, num_pages: int) -> tuple:
+        cfg = self.model_config
+        return (cfg.num_hidden_layers, num_pages, self.config.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                self.dtype)
 
     def _execute(self, schedule: SchedulerOutput) -> PendingStep:
         chunks = schedule.sequences
@@ -292,6 +336,11 @@ class ModelRunner:
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""
         return self._step_arrays([], bucket)
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    """An array's (or placeholder's) shape, dtype and sharding."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def _prompt_spans(chunks: Sequence[ScheduledSequence]) -> list[_PromptSpan]:

@@ -1,0 +1,175 @@
+"""Time to ready, split into weight reading, trace+lower and compile, with the step-program count, cold and with a
+warm compilation cache, at two depths of the same width.
+
+Each measurement runs in a fresh process (no program in memory) against a compilation-cache folder that is empty
+for the cold start and reused for the warm one. Weights (--weights):
+    abstract  shapes only: nothing is read or allocated, the programs compiled are the engine's own (the default on
+              a CPU, where an 8B model's step cannot run in useful time, so its compile plan is the proxy);
+    random    random weights drawn on the device, read on a thread while the programs compile, as a checkpoint is
+              (the default on a GPU).
+With the decoder layers scanned, a step program holds one layer, so start-up should barely grow with depth: the
+report's `depth_ratio` is ready time at the deepest over the shallowest, cold (target <= 1.3).
+
+    python benchmarks/startup.py --model llama-3.1-8b --layers 2 32 --max-num-seqs 64 \
+        --max-num-batched-tokens 8192 --max-model-len 8192 --out startup.json --plot startup.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS = ("llama-3.1-8b", "llama-3.1-70b", "builtin")
+CACHE_STATES = ("cold", "warm")
+PHASES = ("load_seconds", "lower_seconds", "compile_seconds")
+ABSTRACT_POOL_PAGES = 4097  # any size compiles the same programs; nothing is allocated
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="llama-3.1-8b", help="whose shapes (random weights)")
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 32], help="depths to compare, same width")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weights", choices=("auto", "abstract", "random"), default="auto",
+                        help="auto: random on a GPU, abstract elsewhere")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the phases per depth and cache state (PNG)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one measurement, in its own process
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(measure(**json.loads(args.child))))
+        return {}
+    results = []
+    for layers in args.layers:
+        with tempfile.TemporaryDirectory(prefix="jaxserve-startup-cache-") as cache_dir:
+            for cache_state in CACHE_STATES:
+                result = run_child(args, layers, cache_dir)
+                results.append({"layers": layers, "cache": cache_state, **result})
+                print(f"{layers:3d} layers, {cache_state} cache: ready in {result['ready_seconds']:.1f} s "
+                      f"({result['programs']} programs; load {result['load_seconds']:.1f} s, lower "
+                      f"{result['lower_seconds']:.1f} s, compile {result['compile_seconds']:.1f} s)", flush=True)
+    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "child")},
+              "machine": results[0]["machine"], "results": results, "depth_ratio": depth_ratio(results)}
+    print(f"depth ratio (cold, {max(args.layers)} over {min(args.layers)} layers): {report['depth_ratio']:.2f}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        plot(results, args.plot)
+    return report
+
+
+def run_child(args: argparse.Namespace, layers: int, cache_dir: str) -> dict[str, Any]:
+    """One start-up in a fresh process; its stats."""
+    child = dict(model=args.model, layers=layers, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                 dtype=args.dtype, weights=args.weights, cache_dir=cache_dir)
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], check=True, capture_output=True,
+                          text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(model: str, layers: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, dtype: str,
+            weights: str, cache_dir: str) -> dict[str, Any]:
+    """Runs in the child: builds the engine's runner for the model's shapes at `layers` layers and times it."""
+    import dataclasses
+
+    import jax
+
+    from bench_machine import machine_description
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.startup import start_runner
+
+    started = time.perf_counter()
+    plan = random_model_plan(model, layers, dtype)
+    if weights == "auto":
+        weights = "random" if jax.default_backend() == "gpu" else "abstract"
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, compilation_cache_dir=cache_dir,
+                          num_kv_pages=ABSTRACT_POOL_PAGES if weights == "abstract" else None,
+                          ).with_model_limit(plan.config.max_position_embeddings)
+    if weights == "random":
+        _, _, stats = start_runner(plan, config, progress=False)
+        stats = dataclasses.asdict(stats)
+    else:
+        stats = compile_only(plan, config)
+    return {**stats, "weights": weights, "process_seconds": time.perf_counter() - started,
+            "machine": machine_description()}
+
+
+def compile_only(plan, config) -> dict[str, Any]:
+    """The runner's warm-up alone, against abstract weights and pool: start-up minus reading and allocating."""
+    from jaxserve.engine.startup import enable_compilation_cache
+    from jaxserve.runner.model_runner import ModelRunner
+
+    started = time.perf_counter()
+    enable_compilation_cache(config)
+    runner = ModelRunner(plan.config, plan.graphdef, plan.abstract_params, plan.dtype, config, plan.mesh)
+    runner.warm_up(config.num_kv_pages, progress=False)
+    warmup = runner.warmup_stats
+    return {"programs": warmup.programs, "load_seconds": 0.0, "lower_seconds": warmup.lower_seconds,
+            "compile_seconds": warmup.compile_seconds, "ready_seconds": time.perf_counter() - started}
+
+
+def random_model_plan(model: str, layers: int, dtype: str):
+    """A ModelPlan of the model's shapes at `layers` layers whose weights are random, drawn on the device."""
+    from jaxserve.checkpoint import BUILTIN_MODEL_DIR, ModelPlan
+    from jaxserve.checkpoint.builtin import sharded_random_params
+    from jaxserve.checkpoint.param_tree import abstract_params, fill_params
+    from jaxserve.model.config import LlamaConfig
+    from jaxserve.model.dtypes import parse_dtype
+    from jaxserve.parallel import plan_tensor_parallel
+    from model_shapes import LLAMA3_8B_CONFIG, LLAMA3_70B_CONFIG
+
+    shapes = {"llama-3.1-8b": LLAMA3_8B_CONFIG, "llama-3.1-70b": LLAMA3_70B_CONFIG,
+              "builtin": json.loads((BUILTIN_MODEL_DIR / "config.json").read_text())}[model]
+    cfg = LlamaConfig.from_hf_dict({**shapes, "num_hidden_layers": layers})
+    layout = plan_tensor_parallel(cfg, 1)
+    target = parse_dtype(dtype)
+    placed = abstract_params(layout.model_config, target, layout.param_sharding)
+    return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), target,
+                     BUILTIN_MODEL_DIR, "random", layout.mesh,
+                     lambda progress: sharded_random_params(layout, target, seed=0, init_std=0.02)[1])
+
+
+def depth_ratio(results: list[dict[str, Any]]) -> float:
+    """Cold ready time at the deepest model over the shallowest."""
+    cold = {r["layers"]: r["ready_seconds"] for r in results if r["cache"] == "cold"}
+    return cold[max(cold)] / cold[min(cold)]
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib  # here, not at the top: only --plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['layers']} layers\n{r['cache']}" for r in results]
+    figure, axes = plt.subplots(figsize=(1.6 * len(results) + 2, 4))
+    bottom = [0.0] * len(results)
+    for phase in PHASES:
+        heights = [r[phase] for r in results]
+        axes.bar(labels, heights, bottom=bottom, label=phase.removesuffix("_seconds"))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    axes.plot(labels, [r["ready_seconds"] for r in results], "k_", markersize=30, label="ready (phases overlap)")
+    axes.set_ylabel("seconds")
+    axes.set_title(f"start-up, {results[0]['programs']} step programs")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

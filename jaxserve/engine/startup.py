@@ -1,0 +1,100 @@
+"""Start-up: the model runner made ready to serve, compiling its step programs while the weights load.
+
+Compiling needs only the weights' shapes, dtypes and shardings, which a `ModelPlan` has before any weight is read.
+So, given a plan, the weights are read on a thread while the pool is sized and every step program is lowered and
+compiled; the weights are attached and the pool allocated once both are done. Given a `LoadedModel` (weights
+already read), the same happens without the thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+
+import jax
+
+from jaxserve.checkpoint import LoadedModel, ModelPlan
+from jaxserve.config import EngineConfig
+from jaxserve.device_memory import allocator_fraction
+from jaxserve.engine.kv_sizing import device_memory_stats, resolve_num_pages
+from jaxserve.parallel.process_group import smallest_across_processes
+from jaxserve.runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupStats:
+    """Where start-up time went."""
+
+    programs: int  # step programs compiled (or loaded from the persistent compilation cache)
+    load_seconds: float  # reading the weights, on their own thread beside the compiles; 0 when read beforehand
+    lower_seconds: float  # tracing and lowering every program
+    compile_seconds: float  # wall time of the parallel compiles
+    ready_seconds: float  # from the start of `start_runner` to a runner ready to step
+
+
+def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig,
+                 progress: bool = True) -> tuple[ModelRunner, EngineConfig, StartupStats]:
+    """A runner with every program compiled, its weights attached and its pool allocated, and `config` with the
+    pool's size filled in. `config` must have max_model_len resolved (EngineConfig.with_model_limit)."""
+    started = time.perf_counter()
+    enable_compilation_cache(config)
+    planned = isinstance(model, ModelPlan)
+    runner = ModelRunner(model.config, model.graphdef, model.abstract_params if planned else model.params,
+                         model.dtype, config, model.mesh)
+    # Read before the weights start arriving: with them in flight, the allocator's count would be a moving target.
+    stats = device_memory_stats() if config.num_kv_pages is None and config.kv_cache_memory_gb is None else None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as loader:
+        loading = loader.submit(_timed_load, model) if planned else None
+        pending_bytes = model.weight_bytes_per_device() if planned else 0
+        config = config.with_pool(_pool_pages(model, config, runner, stats, pending_bytes))
+        runner.warm_up(config.num_kv_pages, progress)
+        load_seconds = 0.0
+        if loading is not None:
+            loaded, load_seconds = loading.result()
+            runner.load_params(loaded.params)
+    runner.allocate_pool(config.num_kv_pages)
+    warmup = runner.warmup_stats
+    startup = StartupStats(warmup.programs, load_seconds, warmup.lower_seconds, warmup.compile_seconds,
+                           time.perf_counter() - started)
+    log.info("ready in %.1f s: %d step programs (lowered in %.1f s, compiled in %.1f s), weights read in %.1f s",
+             startup.ready_seconds, startup.programs, startup.lower_seconds, startup.compile_seconds,
+             startup.load_seconds)
+    return runner, config, startup
+
+
+def _timed_load(plan: ModelPlan) -> tuple[LoadedModel, float]:
+    """The weights, and the seconds reading them took; no progress bar, which would fight the compile bar."""
+    started = time.perf_counter()
+    loaded = plan.load(progress=False)
+    return loaded, time.perf_counter() - started
+
+
+def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: ModelRunner, stats: dict | None,
+                pending_weight_bytes: int) -> int:
+    """The pool's size; sized from device memory, it leaves room for the weights (those still loading counted as
+    in use) and for the largest step's activation workspace.
+
+    In a multi-process group every process takes the smallest count, so all compile the same programs.
+    """
+    if stats is not None:
+        stats = {**stats, "bytes_in_use": stats.get("bytes_in_use", 0) + pending_weight_bytes}
+    workspace = runner.largest_step_workspace_bytes() if stats is not None else 0
+    pages = resolve_num_pages(model.config, model.dtype, page_size=config.block_size,
+                              tensor_parallel_size=model.mesh.size if model.mesh is not None else 1,
+                              max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                              num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
+                              gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
+                              workspace_bytes=workspace, allocator_share=allocator_fraction())
+    return smallest_across_processes(pages)
+
+
+def enable_compilation_cache(config: EngineConfig) -> None:
+    """JAX's persistent cache: a restart (or a second engine of the same shapes) loads programs instead of compiling."""
+    if config.compilation_cache_dir is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(config.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -264,7 +264,7 @@ def build_engine(args: argparse.Namespace, tensor_parallel_size: int) -> LLMEngi
 def decode_program_report(engine: LLMEngine, args: argparse.Namespace, tensor_parallel_size: int) -> dict[str, Any]:
     """Collectives of the program a step of `batch` greedy decode rows runs, against the rules' prediction."""
     runner = engine.runner
-    hlo = runner._programs[runner.buckets.select(args.batch, args.batch, penalties=False, truncation=False)].as_text()
+    hlo = runner._programs[runner.buckets.select(args.batch, args.batch)].as_text()
     return {"collectives": count_collectives(hlo), "all_gather_shapes": all_gather_shapes(hlo),
             "predicted": predicted_step_collectives(engine.runner.model_config, tensor_parallel_size),
             "num_layers": engine.runner.model_config.num_hidden_layers,

@@ -49,7 +49,7 @@ def engine_report(model_dir: Path, tp: int) -> dict:
     tokens = greedy_tokens(llm)
     runner = llm.engine.runner
     arrays = flat_arrays(llm.engine.runner.params)
-    greedy_program = runner._programs[runner.buckets.select(16, 2, penalties=False, truncation=False)]
+    greedy_program = runner._programs[runner.buckets.select(16, 2)]
     return dict(
         tokens=tokens,
         compiles_after_warmup=llm.engine.compiles_after_warmup,

@@ -114,7 +114,7 @@ def test_aborts_at_random_points_leak_no_pages(engine_llm):
     assert stats.num_pages_free + stats.num_pages_cached == ENGINE["num_kv_pages"] - 1
 
 
-def test_no_compile_after_warm_up_across_buckets_and_sampler_variants(engine_llm):
+def test_no_compile_after_warm_up_across_buckets_and_sampling_mixes(engine_llm):
     varied = [
         SamplingParams(max_tokens=6, temperature=0),
         SamplingParams(max_tokens=6, temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1),
@@ -126,5 +126,5 @@ def test_no_compile_after_warm_up_across_buckets_and_sampler_variants(engine_llm
     runner = engine_llm.engine.runner
     assert runner.guard.compiles_after_warmup == 0
     used = {b for b, n in runner.bucket_counts.items() if n}
-    assert {b.penalties for b in used} == {False, True} and {b.truncation for b in used} == {False, True}
-    assert len({(b.num_tokens, b.num_seqs) for b in used}) >= 4
+    assert any(b.num_tokens == b.num_seqs for b in used) and any(b.num_tokens > b.num_seqs for b in used)
+    assert len(used) >= 4

@@ -150,7 +150,7 @@ def test_the_prompt_logits_variant_is_compiled_once_per_token_count():
     buckets = BucketSet.for_limits(max_num_batched_tokens=64, max_num_seqs=4)
     scoring = [b for b in buckets.all_buckets() if b.prompt_logits]
     assert [b.num_tokens for b in scoring] == [16, 32, 64]
-    assert buckets.select(40, 2, penalties=False, truncation=False, prompt_logits=True) == scoring[-1]
+    assert buckets.select(40, 2, prompt_logits=True) == scoring[-1]
 
 
 @pytest.mark.parity

@@ -56,7 +56,8 @@ def test_matches_the_host_reference_on_a_random_batch(penalties):
         rows = [_random_row(rng, greedy=rng.random() < 0.6, penalties=penalties) for _ in range(12)]
         logits = (rng.normal(size=(16, VOCAB)) * 3).astype(np.float32)  # f32[S, V]
         tensors = build_sampling_tensors(rows, 16, **WIDTHS)
-        assert (tensors.penalties is not None) == penalties
+        # Histories ship only for rows with a penalty; the others are all padding.
+        assert bool((tensors.penalties.history_ids >= 0).any()) == penalties
         out = jax.device_get(sample_jit(logits, tensors, num_top_logprobs=NUM_TOP))
         for i, row in enumerate(rows):
             token = int(out.token_ids[i])
@@ -156,32 +157,44 @@ def _counting_compiles():
         jax.monitoring.unregister_event_duration_listener(on_event)
 
 
-def test_a_bucket_compiles_once_whatever_the_parameter_values():
+def test_one_program_serves_every_sampling_mix():
     fresh = jax.jit(sample, static_argnames="num_top_logprobs")
     rng = np.random.default_rng(4)
     vocab = 40  # a shape no other test compiles: JAX shares compiled programs between jitted copies of a function
 
-    def run(penalties: bool) -> None:
-        rows = [_random_row(rng, greedy=rng.random() < 0.5) for _ in range(6)]
-        tensors = build_sampling_tensors(rows, 8, **WIDTHS, include_penalties=penalties, include_truncation=True)
+    def run(penalties: bool, greedy_share: float) -> None:
+        rows = [_random_row(rng, greedy=rng.random() < greedy_share, penalties=penalties) for _ in range(6)]
+        tensors = build_sampling_tensors(rows, 8, **WIDTHS)
         logits = rng.normal(size=(8, vocab)).astype(np.float32)
         jax.block_until_ready(fresh(logits, tensors, num_top_logprobs=NUM_TOP))
 
     with _counting_compiles() as compiles:
-        run(penalties=True)
+        for penalties, greedy_share in [(True, 0.5), (False, 1.0), (False, 0.0), (True, 1.0), (False, 0.5)]:
+            run(penalties, greedy_share)
         assert len(compiles) == 1
-        run(penalties=True)
-        run(penalties=True)
-        assert len(compiles) == 1
-        run(penalties=False)  # the switch is static: the other variant is a second program
-        run(penalties=False)
-        assert len(compiles) == 2
 
 
-def test_builder_pads_rows_and_leaves_out_unused_parts():
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_a_row_samples_the_same_beside_penalties_and_truncation(seeded):
+    """Penalties and truncation always run; on a row that uses neither they must change nothing at all."""
+    rng = np.random.default_rng(5)
+    plain = SamplingRow(SamplingParams(temperature=0.8 if seeded else 0.0, seed=3), tuple(range(5)), (7, 7), EOS,
+                        seed=3, step=2)
+    busy = SamplingRow(SamplingParams(temperature=1.2, top_p=0.5, top_k=3, min_p=0.1, repetition_penalty=1.5,
+                                      presence_penalty=1.0), (1, 2), (3,), EOS, seed=4, step=0)
+    logits = (rng.normal(size=(2, VOCAB)) * 3).astype(np.float32)  # f32[2, V]
+    alone = sample_jit(logits[:1], build_sampling_tensors([plain], 2, **WIDTHS), num_top_logprobs=NUM_TOP)
+    beside = sample_jit(logits, build_sampling_tensors([plain, busy], 2, **WIDTHS), num_top_logprobs=NUM_TOP)
+    assert int(alone.token_ids[0]) == int(beside.token_ids[0])
+    assert float(alone.logprobs[0]) == float(beside.logprobs[0])
+
+
+def test_builder_pads_rows_with_neutral_settings():
     rows = [SamplingRow(SamplingParams(temperature=0, top_p=0.5, logit_bias={3: 1.0}), (1,), (), EOS, 9, 0)]
     tensors = build_sampling_tensors(rows, 4)
-    assert tensors.penalties is None and tensors.truncation is None  # a greedy row's top_p changes nothing
+    assert tensors.penalties.history_ids.tolist() == [[-1]] * 4  # no row has a penalty: no history shipped
+    assert tensors.penalties.repetition.tolist() == [1.0] * 4
+    assert tensors.truncation.top_k.tolist() == [0] * 4 and tensors.truncation.top_p.tolist() == [0.5, 1, 1, 1]
     assert tensors.num_rows == 4 and tensors.greedy.tolist() == [True] * 4
     assert tensors.bias_ids.tolist() == [[3], [-1], [-1], [-1]]
     assert tensors.stop_ids.tolist() == [[1, 2], [-1, -1], [-1, -1], [-1, -1]]

@@ -1,11 +1,28 @@
-"""The few padded shapes a step can take, chosen so that every program is compiled once, at start-up."""
+"""The few padded shapes a step can take, chosen so that every program is compiled once, at start-up.
+
+Two families instead of the full product of token counts and sequence rows (learned from vLLM, which captures
+decode batch sizes 1, 2, 4, 8 and then multiples of 8, and from tpu-inference, which pads tokens to powers of two
+and the attention's rows to max_num_seqs only):
+  - decode buckets, where every sequence brings one token (T == S), by sequence count: 1, 2, 4, 8, then every
+    multiple of 8 up to 64, of 32 up to 256 and of 64 beyond, capped at max_num_seqs. Decode is most of the steps
+    of a serving engine, so its padding is kept to at most 8 rows in 64, and 32 in 256;
+  - mixed buckets (prefill chunks, with decode tokens or not) by token count: powers of two from MIN_TOKEN_BUCKET
+    to FINE_TOKENS_FROM, then also the midpoints (1536, 3072, 6144, ...: padding at most a third rather than a
+    half, where a step's tokens cost the most), up to max_num_batched_tokens; each with S = min(T, max_num_seqs)
+    rows, enough for any batch of T tokens. Their T tokens dominate the step, so padding rows costs little there.
+One program serves every sampling mix of a bucket (penalties and truncation are masked no-ops where unused).
+Steps that score prompt tokens (prompt_logprobs, evaluation traffic) have their own variant once per token count.
+At 64 sequences and 8192 tokens that is 34 programs (11 decode, 13 mixed of which 3 coincide with decode buckets,
+13 scoring); the full product with four sampler variants was 276. `benchmarks/padding_waste.py` measures what
+the grid costs in padding.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
-MIN_TOKEN_BUCKET = 16  # smallest padded token count: below it padding costs nothing worth saving
+MIN_TOKEN_BUCKET = 16  # smallest padded token count of a mixed step: below it padding costs nothing worth saving
+FINE_TOKENS_FROM = 1024  # mixed token counts from here on step by half powers of two (multiples of 512 all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,56 +31,70 @@ class StepBucket:
 
     num_tokens: int  # T: flattened query tokens of the step (decode tokens and prefill chunks)
     num_seqs: int  # S: sequence rows (block tables, sampling rows)
-    penalties: bool  # the sampler's penalty part is present
-    truncation: bool  # the sampler's top-k/top-p/min-p part is present
     prompt_logits: bool = False  # every token's next-token log-probabilities are scored too (prompt_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketSet:
-    """Powers of two up to the engine's limits: T from MIN_TOKEN_BUCKET to max_num_batched_tokens, S to max_num_seqs.
+    """The decode and mixed families for an engine's limits."""
 
-    Steps that score prompt tokens are rare (evaluation traffic) and dominated by their T × vocab logits, so their
-    variant exists once per token count only: at the largest sequence-row count and with the whole sampler, which
-    serve any mix of chunks and sampling settings (absent sampler parts are neutral settings). That adds one program
-    per token count to the start-up compiles rather than one per shape and sampler variant.
-    """
-
-    token_sizes: tuple[int, ...]  # ascending; the last is >= max_num_batched_tokens
-    seq_sizes: tuple[int, ...]  # ascending; the last is >= max_num_seqs
+    decode_sizes: tuple[int, ...]  # ascending sequence counts of the decode buckets; the last is max_num_seqs
+    token_sizes: tuple[int, ...]  # ascending token counts of the mixed buckets; the last is >= max_num_batched_tokens
+    max_num_seqs: int  # most sequence rows of any bucket
 
     @classmethod
     def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int) -> BucketSet:
-        return cls(
-            token_sizes=_powers_of_two(MIN_TOKEN_BUCKET, max_num_batched_tokens),
-            seq_sizes=_powers_of_two(1, max_num_seqs),
-        )
+        return cls(decode_sizes=decode_sizes(max_num_seqs),
+                   token_sizes=token_sizes(max_num_batched_tokens), max_num_seqs=max_num_seqs)
+
+    @property
+    def max_rows(self) -> int:
+        """Sequence rows of the widest bucket."""
+        return self.max_num_seqs
 
     def all_buckets(self) -> list[StepBucket]:
-        """Every shape the runner may be asked to run; warm-up compiles each."""
-        sampling = [
-            StepBucket(t, s, penalties, truncation)
-            for t, s, penalties, truncation in itertools.product(
-                self.token_sizes, self.seq_sizes, (False, True), (False, True))
-            if s <= t
-        ]
-        scoring = dict.fromkeys(  # distinct: small token counts may all round up to the sequence-row count
-            self.select(t, 1, penalties=True, truncation=True, prompt_logits=True) for t in self.token_sizes)
-        return sampling + list(scoring)
+        """Every shape the runner may be asked to run; warm-up compiles each (distinct: a mixed bucket of few
+        tokens can coincide with a decode bucket)."""
+        decode = [StepBucket(s, s) for s in self.decode_sizes]
+        mixed = [self._mixed(t) for t in self.token_sizes]
+        scoring = [self._mixed(t, prompt_logits=True) for t in self.token_sizes]
+        return list(dict.fromkeys(decode + mixed + scoring))
 
-    def select(self, num_tokens: int, num_seqs: int, penalties: bool, truncation: bool,
-               prompt_logits: bool = False) -> StepBucket:
-        """The smallest bucket holding a batch of this size (for prompt scoring: the one variant of its token count)."""
-        t = next(size for size in self.token_sizes if size >= num_tokens)
-        if prompt_logits:
-            s = self.seq_sizes[-1]
-            return StepBucket(max(t, s), s, penalties=True, truncation=True, prompt_logits=True)
-        s = next(size for size in self.seq_sizes if size >= num_seqs)
-        return StepBucket(max(t, s), s, penalties, truncation)
+    def select(self, num_tokens: int, num_seqs: int, prompt_logits: bool = False) -> StepBucket:
+        """The smallest bucket holding a batch of this size: a decode bucket when every sequence brings one token
+        (and no prompt is scored), else the mixed (or scoring) bucket of its token count."""
+        if num_tokens == num_seqs and not prompt_logits:
+            return StepBucket(*(2 * (next(s for s in self.decode_sizes if s >= num_seqs),)))
+        return self._mixed(next(t for t in self.token_sizes if t >= num_tokens), prompt_logits)
+
+    def _mixed(self, num_tokens: int, prompt_logits: bool = False) -> StepBucket:
+        return StepBucket(num_tokens, min(num_tokens, self.max_num_seqs), prompt_logits)
 
 
-def _powers_of_two(smallest: int, limit: int) -> tuple[int, ...]:
-    sizes = [smallest]
-    while sizes[-1] < limit:
-        sizes.append(sizes[-1] * 2)
+def decode_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 8 to 64, of 32 to 256, of 64 beyond; ending at max_num_seqs exactly."""
+    sizes, size = [], 1
+    while size < max_num_seqs:
+        sizes.append(size)
+        size += _decode_step(size)
+    return (*sizes, max_num_seqs)
+
+
+def _decode_step(size: int) -> int:
+    """The gap after decode size `size`: padding at most 1 row in 8 up to 64, 1 in 3 beyond."""
+    if size < 8:
+        return size
+    return 8 if size < 64 else 32 if size < 256 else 64
+
+
+def token_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Powers of two from MIN_TOKEN_BUCKET, with the midpoints from FINE_TOKENS_FROM on, until one holds the limit.
+
+    Every size is a power of two or 1.5 times one of at least 1024: a multiple of the prompt scorer's 128-row tile.
+    """
+    sizes = [MIN_TOKEN_BUCKET]
+    while sizes[-1] < max_num_batched_tokens:
+        power = 1 << (sizes[-1].bit_length() - 1)  # the power of two at or below the last size
+        midpoint = power + power // 2
+        sizes.append(midpoint if power >= FINE_TOKENS_FROM and sizes[-1] == power else 2 * power)
     return tuple(sizes)

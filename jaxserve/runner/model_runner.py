@@ -38,11 +38,12 @@ from jaxserve.model.config import LlamaConfig
 from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.parallel import KV_POOL_SPEC, logits_partition_spec, make_tp_mesh
 from jaxserve.parallel.process_group import abort_group
+from jaxserve.runner.attention_check import checked_attention_backend
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
-from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors, uses_penalties, uses_truncation
+from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors
 from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_step
 from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput
 
@@ -128,14 +129,15 @@ class ModelRunner:
         self._abstract_params = jax.tree.map(_abstract, params)
         self.dtype = dtype  # of the weights and the KV pool
         self.mesh = mesh if mesh is not None else make_tp_mesh(1)  # the weights' tensor-parallel mesh
-        self.attention_backend = config.attention_implementation(jax.default_backend())
+        self.attention_backend = checked_attention_backend(config, dtype)
         self._replicated = NamedSharding(self.mesh, P())
         self._pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
-        self.buckets = BucketSet.for_limits(config.max_num_batched_tokens, config.max_num_seqs)
+        self.buckets = BucketSet.for_limits(config.require("max_num_batched_tokens"),
+                                            config.require("max_num_seqs"))
         self.guard = CompileGuard(raise_on_compile=config.raise_on_compile)
         self._history_width = 1 << (config.require("max_model_len") - 1).bit_length()
         self.pool: PagedKVCache | None = None  # allocated once sized: allocate_pool
-        self._last_tokens = jax.device_put(np.zeros(self.buckets.seq_sizes[-1], np.int32),
+        self._last_tokens = jax.device_put(np.zeros(self.buckets.max_rows, np.int32),
                                            self._replicated)  # i32[max_rows]
         self._last_rows: dict[str, int] = {}  # request id -> its row in the previous step's samples
         logits_shardings = LogitsShardings(
@@ -159,8 +161,7 @@ class ModelRunner:
         (layers index the whole pool; no layer's pages are ever copied), so it is measured before the real pool
         exists, and the pool is sized to what is left.
         """
-        largest = self.buckets.select(self.config.max_num_batched_tokens, self.config.max_num_seqs, penalties=True,
-                                      truncation=True)
+        largest = self.buckets.select(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         with self.guard.watch():
             analysis = self._lower(largest, num_pages).compile().memory_analysis()
         return int(analysis.temp_size_in_bytes) if analysis is not None else 0
@@ -222,13 +223,8 @@ class ModelRunner:
     def prepare(self, schedule: SchedulerOutput) -> tuple[StepBucket, StepArrays]:
         """The bucket of this batch and its padded inputs as host arrays (pure numpy: the host's share of a step)."""
         chunks = schedule.sequences
-        rows = [c.sampling for c in chunks]
-        bucket = self.buckets.select(
-            sum(c.num_tokens for c in chunks), len(chunks),
-            penalties=any(uses_penalties(r.params) for r in rows),
-            truncation=any(uses_truncation(r.params) for r in rows if not r.params.greedy),
-            prompt_logits=any(c.wants_prompt_logits for c in chunks),
-        )
+        bucket = self.buckets.select(sum(c.num_tokens for c in chunks), len(chunks),
+                                     prompt_logits=any(c.wants_prompt_logits for c in chunks))
         return bucket, self._step_arrays(chunks, bucket)
 
     def replace_lost_pool(self) -> None:
@@ -328,10 +324,8 @@ class ModelRunner:
 
     def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket):
         return build_sampling_tensors(
-            [c.sampling for c in chunks], bucket.num_seqs, bias_width=self.config.max_logit_bias, stop_width=self.config.max_stop_ids,
-            history_width=self._history_width, include_penalties=bucket.penalties,
-            include_truncation=bucket.truncation,
-        )
+            [c.sampling for c in chunks], bucket.num_seqs, bias_width=self.config.max_logit_bias,
+            stop_width=self.config.max_stop_ids, history_width=self._history_width)
 
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""

@@ -6,9 +6,11 @@ one compiled program serves any mix of requests. The rules and their order are t
 logit_bias; repetition, frequency and presence penalties; argmax for greedy rows; otherwise temperature, min_p,
 top-k, top-p and one draw.
 
-Two parts are optional and switched statically by being None, which changes the pytree and so picks another
-compiled variant: penalties (they ship a token history per row and scatter it into vocabulary-wide counts) and
-truncation (top-k/top-p/min-p need a sort of every row). A batch that uses neither pays for neither.
+One program serves every mix: penalties and truncation (top-k/top-p/min-p) always run, as masked no-ops on rows
+that do not use them (repetition 1, frequency and presence 0; top_k 0, top_p 1, min_p 0), which leave a row's
+token exactly as if they were absent. That costs every step a sort of each row and the scatter of a fixed-width
+token history, in exchange for one compiled program per bucket instead of four; the host fills a row's history only
+where the row uses a penalty.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class SamplingTensors:
     bias_values: jax.Array  # f32[S, B]: the bias added to each of bias_ids
     stop_ids: jax.Array  # i32[S, E]: EOS and stop token ids, -1 padding
     block_stop_ids: jax.Array  # bool[S]: fewer than min_tokens generated, so stop_ids are masked
-    penalties: PenaltyTensors | None  # None: no row uses a penalty
-    truncation: TruncationTensors | None  # None: no non-greedy row uses top-k, top-p or min-p
+    penalties: PenaltyTensors  # neutral on rows without a penalty
+    truncation: TruncationTensors  # neutral on rows without top-k, top-p or min-p
 
     @property
     def num_rows(self) -> int:
@@ -80,13 +82,11 @@ class SamplerOutput:
 
 
 def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = None, *, bias_width: int | None = None,
-                           stop_width: int | None = None, history_width: int | None = None,
-                           include_penalties: bool | None = None,
-                           include_truncation: bool | None = None) -> SamplingTensors:
+                           stop_width: int | None = None, history_width: int | None = None) -> SamplingTensors:
     """Numpy tensors for `rows`, padded to num_rows (default len(rows)).
 
     A width left None is the smallest power of two that fits; pass fixed widths to keep shapes, and so compiled
-    programs, the same across steps. include_* None means "only if some row needs it".
+    programs, the same across steps.
     """
     num_rows = len(rows) if num_rows is None else num_rows
     if num_rows < len(rows):
@@ -98,10 +98,6 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
     stops = [_ids_blocked_by_min_tokens(r.params, r.eos_token_ids) for r in rows]
     bias_width = _width(max(map(len, biases), default=0), bias_width, "bias_width")
     stop_width = _width(max(map(len, stops), default=0), stop_width, "stop_width")
-    if include_penalties is None:
-        include_penalties = any(uses_penalties(r.params) for r in rows)
-    if include_truncation is None:
-        include_truncation = any(uses_truncation(r.params) for r in rows if not r.params.greedy)
     return SamplingTensors(
         greedy=greedy,
         temperature=np.array(temperature + [1.0] * pad, np.float32),
@@ -111,8 +107,8 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
         bias_values=_padded([list(b.values()) for b in biases], num_rows, bias_width, 0.0, np.float32),
         stop_ids=_padded(stops, num_rows, stop_width, -1, np.int32),
         block_stop_ids=np.array([len(r.output_ids) < r.params.min_tokens for r in rows] + [False] * pad),
-        penalties=_penalty_tensors(rows, num_rows, history_width) if include_penalties else None,
-        truncation=_truncation_tensors(rows, num_rows) if include_truncation else None,
+        penalties=_penalty_tensors(rows, num_rows, history_width),
+        truncation=_truncation_tensors(rows, num_rows),
     )
 
 
@@ -120,9 +116,8 @@ def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -
     """Picks one token per row of logits f32[S, V]; num_top_logprobs (K) is static."""
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]: reported before anything changes the logits
-    processed = _apply_logit_bias(_apply_min_tokens(logits, tensors), tensors)  # f32[S, V]
-    if tensors.penalties is not None:
-        processed = _apply_penalties(processed, tensors.penalties)
+    processed = _apply_penalties(_apply_logit_bias(_apply_min_tokens(logits, tensors), tensors),
+                                 tensors.penalties)  # f32[S, V]
     token_ids = jnp.where(tensors.greedy, jnp.argmax(processed, axis=-1), _draw(processed, tensors))  # i32[S]
     return describe_tokens(raw_logprobs, token_ids.astype(jnp.int32), num_top_logprobs)
 
@@ -158,9 +153,7 @@ def _draw(processed: jax.Array, tensors: SamplingTensors) -> jax.Array:  # i32[S
     Noise is drawn over the vocabulary in id order from the row's own key, so a seeded row's tokens do not depend on
     its neighbours or its position in the batch.
     """
-    scaled = processed / tensors.temperature[:, None]  # f32[S, V]
-    if tensors.truncation is not None:
-        scaled = _truncate(scaled, tensors.truncation)
+    scaled = _truncate(processed / tensors.temperature[:, None], tensors.truncation)  # f32[S, V]
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(tensors.seeds, tensors.steps)
     noise = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[1:], jnp.float32))(keys)  # f32[S, V]
     return jnp.argmax(scaled + noise, axis=-1)
@@ -222,8 +215,11 @@ def uses_truncation(params: SamplingParams) -> bool:
 
 
 def _penalty_tensors(rows: Sequence[SamplingRow], num_rows: int, history_width: int | None) -> PenaltyTensors:
-    histories = [list(r.prompt_ids) + list(r.output_ids) for r in rows]
-    from_output = [[False] * len(r.prompt_ids) + [True] * len(r.output_ids) for r in rows]
+    """A row without a penalty gets an empty history: its neutral settings ignore it, and the host skips the copy."""
+    penalised = [uses_penalties(r.params) for r in rows]
+    histories = [list(r.prompt_ids) + list(r.output_ids) if p else [] for r, p in zip(rows, penalised)]
+    from_output = [[False] * len(r.prompt_ids) + [True] * len(r.output_ids) if p else []
+                   for r, p in zip(rows, penalised)]
     width = _width(max(map(len, histories), default=0), history_width, "history_width")
     pad = num_rows - len(rows)
     return PenaltyTensors(

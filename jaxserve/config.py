@@ -1,10 +1,11 @@
 """`EngineConfig`: every setting of an engine, in one frozen dataclass validated on creation.
 
 Presets from configs/ (YAML), the command-line flags and `LLM(**kwargs)` all resolve into it, under vLLM's names
-(`--max-num-seqs` is `max_num_seqs`); the scheduler and the model runner read it as it is. Two values are known
-only once the model is loaded and the pool sized: `max_model_len` (None: the model's own limit) and `num_kv_pages`
-(None: sized from memory); `with_model_limit` and `with_pool` fill them in, and the scheduler and runner refuse a
-config where they are still missing.
+(`--max-num-seqs` is `max_num_seqs`); the scheduler and the model runner read it as it is. Some values are known
+only once JAX has started, the model is loaded and the pool sized: the step limits `max_num_seqs` and
+`max_num_batched_tokens` (None: the platform's defaults, vLLM's on a GPU), `max_model_len` (None: the model's own
+limit) and `num_kv_pages` (None: sized from memory); `with_platform_defaults`, `with_model_limit` and `with_pool`
+fill them in, and the scheduler and runner refuse a config where they are still missing.
 
 Each field's help text is its documentation and its flag's `--help`. Imports no JAX: the command line reads it
 before JAX starts.
@@ -31,6 +32,10 @@ PALLAS_INTERPRET_BACKEND = "pallas-interpret"
 # What users choose from (--attention-backend); auto picks the kernel where it compiles (a GPU), XLA elsewhere.
 ATTENTION_BACKEND_CHOICES = ("auto", PALLAS_BACKEND, XLA_BACKEND)
 MAX_TOKENS_POLICIES = ("cap", "reject")
+# Step limits when none are given, per JAX platform: vLLM's on a GPU (256 sequences; 8192 tokens, its figure for an
+# H100-class GPU), and small ones elsewhere, where every compiled step shape costs seconds of start-up.
+GPU_STEP_LIMITS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+HOST_STEP_LIMITS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}
 
 
 def _setting(default: Any, help: str, *, flag: bool = True) -> Any:
@@ -53,8 +58,9 @@ class EngineConfig:
     # Limits: they fix the compiled step shapes.
     max_model_len: int | None = _setting(None, "longest prompt + output of one sequence (default: the model's "
                                          "max_position_embeddings)")
-    max_num_seqs: int = _setting(16, "most sequences in one step")
-    max_num_batched_tokens: int = _setting(512, "most tokens (decode tokens and prefill chunks) in one step")
+    max_num_seqs: int | None = _setting(None, "most sequences in one step (default: 256 on a GPU, 16 elsewhere)")
+    max_num_batched_tokens: int | None = _setting(None, "most tokens (decode tokens and prefill chunks) in one step "
+                                                  "(default: 8192 on a GPU, 512 elsewhere)")
     block_size: int = _setting(16, "tokens per KV page (a power of two)")
 
     # The KV pool's size: explicit pages, else GiB per device, else a share of device memory.
@@ -97,7 +103,8 @@ class EngineConfig:
             _check_type(field.name, getattr(self, field.name), _HINTS[field.name])
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
                      "max_stop_ids"):
-            _check_at_least(name, getattr(self, name), 1)
+            if getattr(self, name) is not None:
+                _check_at_least(name, getattr(self, name), 1)
         _check_at_least("max_logit_bias", self.max_logit_bias, 0)
         if self.max_model_len is not None:
             _check_at_least("max_model_len", self.max_model_len, 2)
@@ -123,11 +130,19 @@ class EngineConfig:
         return -(-self.require("max_model_len") // self.block_size)
 
     def require(self, name: str) -> int:
-        """A value filled in once the model is loaded (max_model_len) or the pool sized (num_kv_pages)."""
+        """A value filled in once JAX has started (the step limits), the model is loaded (max_model_len) or the pool
+        sized (num_kv_pages)."""
         value = getattr(self, name)
         if value is None:
-            raise ConfigError(f"{name} is not resolved yet: with_model_limit and with_pool fill it in")
+            raise ConfigError(f"{name} is not resolved yet: with_platform_defaults, with_model_limit and with_pool "
+                              "fill it in")
         return value
+
+    def with_platform_defaults(self, platform: str) -> EngineConfig:
+        """The step limits left unset take JAX platform `platform`'s defaults ("gpu": vLLM's; else small ones)."""
+        defaults = GPU_STEP_LIMITS if platform == "gpu" else HOST_STEP_LIMITS
+        return dataclasses.replace(self, **{name: value for name, value in defaults.items()
+                                            if getattr(self, name) is None})
 
     def with_model_limit(self, max_position_embeddings: int) -> EngineConfig:
         """max_model_len checked against the model's limit, or that limit when none was asked for."""
@@ -169,7 +184,7 @@ class EngineConfig:
     def _check_chunking(self) -> None:
         # Without chunking a prompt is computed whole in one step, so the longest one must fit a step's budget.
         if (not self.enable_chunked_prefill and self.max_model_len is not None
-                and self.max_num_batched_tokens < self.max_model_len):
+                and self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len):
             raise ConfigError(f"without chunked prefill {_named('max_num_batched_tokens')} "
                               f"({self.max_num_batched_tokens}) must be at least max_model_len ({self.max_model_len})")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.errors import ConfigError
-from jaxserve.config import load_config
+from jaxserve.config import EngineConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,6 +62,30 @@ def test_process_group_flags_default_to_the_environment(monkeypatch):
 def test_flags_override_the_preset():
     config = load_config(REPO / "configs/tiny-cpu.yaml", {"max_num_seqs": 3, "dtype": None})
     assert config.max_num_seqs == 3 and config.dtype == "float32" and config.model is None
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.yaml")), ids=lambda path: path.name)
+def test_every_preset_loads(preset):
+    config = load_config(preset, {})
+    assert config.max_num_seqs is not None and config.max_num_batched_tokens is not None
+
+
+def test_gpu_presets_hold_the_documented_limits():
+    h100 = load_config(REPO / "configs/llama-3.1-8b-h100.yaml", {})
+    assert (h100.dtype, h100.max_num_seqs, h100.max_num_batched_tokens, h100.max_model_len) == (
+        "bfloat16", 64, 8192, 8192)
+    assert h100.gpu_memory_utilization == 0.92 and h100.enable_prefix_caching and h100.enable_chunked_prefill
+    assert load_config(REPO / "configs/llama-3.1-70b-8xh100.yaml", {}).tensor_parallel_size == 8
+
+
+def test_unset_step_limits_take_the_platforms_defaults():
+    """vLLM's on a GPU; small ones on the CPU, where each compiled shape costs start-up seconds. Set ones stay."""
+    gpu, cpu = EngineConfig().with_platform_defaults("gpu"), EngineConfig().with_platform_defaults("cpu")
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (256, 8192)
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (16, 512)
+    assert EngineConfig(max_num_seqs=3).with_platform_defaults("gpu").max_num_seqs == 3
+    with pytest.raises(ConfigError, match="max_num_seqs is not resolved"):
+        EngineConfig().require("max_num_seqs")
 
 
 @pytest.mark.parametrize("text, message", [

@@ -45,7 +45,7 @@ def test_under_tensor_parallelism_a_page_costs_each_device_its_share_of_kv_heads
 def test_explicit_pages_then_gib_then_cpu_default(builtin):
     per_page = bytes_per_page(builtin.config, 16, jnp.float32)
     assert _pages(builtin, num_kv_pages=77) == 77
-    assert _pages(builtin, kv_cache_memory_gb=per_page * 10 / 2**30) == 11
+    assert _pages(builtin, kv_cache_memory_gb=per_page * 20 / 2**30) == 21
     assert _pages(builtin) == 4 * 16 + 1  # no memory stats: room for max_num_seqs full sequences
 
 
@@ -57,7 +57,21 @@ def test_device_memory_budget_subtracts_weights_and_workspace(builtin):
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ConfigError, match="not enough for one page"):
+        _pages(builtin, num_kv_pages=1)
+
+
+def test_memory_that_cannot_fit_the_limits_names_the_limit_to_lower(builtin):
+    """Raised while sizing, before any program compiles: which limit to lower, with the GiB figures."""
+    per_page = bytes_per_page(builtin.config, 16, jnp.float32)
+    stats = {"bytes_limit": 1000 * per_page, "bytes_in_use": 90 * per_page}
+    with pytest.raises(ConfigError, match=r"workspace \(0\.\d+ GiB\).*lower max_num_batched_tokens"):
+        _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.1, workspace_bytes=20 * per_page)
+    # 16 pages make one 256-token sequence: 10 of room are too few.
+    with pytest.raises(ConfigError, match=r"fewer than one sequence of max_model_len \(256 tokens"):
         _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.1)
+    with pytest.raises(ConfigError, match="--max-model-len"):
+        _pages(builtin, kv_cache_memory_gb=per_page * 10 / 2**30)
+    assert _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.11) == 21
 
 
 def test_largest_step_workspace_is_measured_by_xla(builtin):

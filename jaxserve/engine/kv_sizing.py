@@ -46,19 +46,51 @@ def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs
     the share `gpu_memory_utilization` of its memory minus what is already in use (its weight shards) and minus the
     activation workspace of the largest compiled step; elsewhere (the CPU) enough pages for max_num_seqs full
     sequences. Every device holds the same share of every page, so one device's budget sizes the whole pool.
+    A memory-sized pool that cannot hold one max_model_len sequence, or weights and workspace that leave it no
+    room, is a ConfigError naming the limit to lower (raised before any step program compiles).
     `allocator_share` is the share of the device's memory that `bytes_limit` stands for (device_memory.py).
     """
     per_page = bytes_per_page(model, page_size, dtype, tensor_parallel_size)
     if num_kv_pages is not None:
-        pages = num_kv_pages
-    elif kv_cache_memory_gb is not None:
+        return _at_least_one_page(num_kv_pages, per_page)
+    if kv_cache_memory_gb is not None:
         pages = int(kv_cache_memory_gb * 2**30 // per_page) + 1
     elif memory_stats is not None:
-        budget = (device_budget_bytes(memory_stats, gpu_memory_utilization, allocator_share)
-                  - memory_stats.get("bytes_in_use", 0) - workspace_bytes)
-        pages = int(budget // per_page) + 1
+        budget = device_budget_bytes(memory_stats, gpu_memory_utilization, allocator_share)
+        _check_weights_and_workspace_fit(budget, memory_stats.get("bytes_in_use", 0), workspace_bytes)
+        pages = int((budget - memory_stats.get("bytes_in_use", 0) - workspace_bytes) // per_page) + 1
     else:
-        pages = max_num_seqs * -(-max_model_len // page_size) + 1
+        return max_num_seqs * -(-max_model_len // page_size) + 1
+    _check_one_sequence_fits(_at_least_one_page(pages, per_page), per_page, page_size, max_model_len)
+    return pages
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def _check_weights_and_workspace_fit(budget: float, weights: int, workspace: int) -> None:
+    """Before compiling: weights and the largest step's activations must leave the pool some room."""
+    if weights + workspace >= budget:
+        raise ConfigError(f"the weights ({_gib(weights)} per device) and the largest step's workspace "
+                          f"({_gib(workspace)}) fill the memory budget ({_gib(budget)}, gpu_memory_utilization of "
+                          "the device), leaving none for the KV cache: lower max_num_batched_tokens "
+                          "(--max-num-batched-tokens) or max_num_seqs (--max-num-seqs), which size the workspace, "
+                          "raise gpu_memory_utilization, or split the model over more devices (--tensor-parallel-size)")
+
+
+def _check_one_sequence_fits(pages: int, per_page: int, page_size: int, max_model_len: int) -> None:
+    """A pool sized from memory must hold one sequence of max_model_len tokens, or that length could never run."""
+    needed = -(-max_model_len // page_size)
+    if pages - 1 < needed:
+        raise ConfigError(f"the KV cache fits {pages - 1} pages ({_gib((pages - 1) * per_page)}, "
+                          f"{(pages - 1) * page_size} tokens per device), fewer than one sequence of max_model_len "
+                          f"({max_model_len} tokens, {_gib(needed * per_page)}): lower max_model_len "
+                          "(--max-model-len) or give the cache more memory (--gpu-memory-utilization, "
+                          "--kv-cache-memory-gb)")
+
+
+def _at_least_one_page(pages: int, per_page: int) -> int:
     if pages < 2:
         raise ConfigError(f"the KV cache gets {pages} pages of {per_page} bytes: not enough for one page; "
                           "lower max_model_len or max_num_batched_tokens, or give the cache more memory")

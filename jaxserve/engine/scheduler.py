@@ -59,6 +59,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.max_model_len = config.require("max_model_len")
+        self.max_num_seqs = config.require("max_num_seqs")
+        self.max_num_batched_tokens = config.require("max_num_batched_tokens")
         self.num_pages = config.require("num_kv_pages")
         self.page_size = config.block_size
         self.pool = PagePool(self.num_pages, self.page_size, config.enable_prefix_caching)
@@ -90,7 +92,7 @@ class Scheduler:
         if len(self._steps_in_flight) > 1:
             raise RuntimeError(f"steps {sorted(self._steps_in_flight)} await update_from_output(); "
                                "at most one step may be in flight when scheduling the next")
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan = _StepPlan(self.max_num_batched_tokens)
         # A static batch stays open until its first token exists, so it fills up even when the prompts of one
         # batch take several steps' token budgets to prefill.
         batch_in_progress = any(r.num_output_tokens for r in self._running)
@@ -185,7 +187,7 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
-        while self._waiting and plan.token_budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while self._waiting and plan.token_budget > 0 and len(self._running) < self.max_num_seqs:
             request = self._waiting[0]
             if request.num_tokens_to_compute == 0:
                 break  # its last output is sampled; it waits only for finish_request

@@ -41,7 +41,8 @@ class LLM:
         self.engine = LLMEngine(self.model, self.tokenizer, self.config, progress=use_tqdm_on_load)
 
     def _load(self, config: EngineConfig, progress: bool) -> None:
-        """The weights and tokenizer of `config`, and the config with the model's length limit filled in."""
+        """The weights and tokenizer of `config`, and the config with the platform's step limits and the model's
+        length limit filled in."""
         # Before loading: a backend that cannot run here must not wait for the weights.
         config.attention_implementation(jax.default_backend())
         # The weights are read when the engine starts, while its step programs compile.
@@ -49,7 +50,8 @@ class LLM:
                                            dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer: Tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer is not None
                                                    else self.model.model_dir)
-        self.config = config.with_model_limit(self.model.config.max_position_embeddings)
+        self.config = (config.with_platform_defaults(jax.default_backend())
+                       .with_model_limit(self.model.config.max_position_embeddings))
         self._request_ids = itertools.count()
 
     @classmethod

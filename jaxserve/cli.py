@@ -87,7 +87,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on /v1 routes (default: $JAXSERVE_API_KEY)")
+                        help="require `Authorization: Bearer KEY` on every route but /health, /version and "
+                        "/metrics (default: $JAXSERVE_API_KEY)")
+    parser.add_argument("--metrics-need-key", action="store_true", help="/metrics asks for the API key too")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="requests queued beyond the running batch; more are answered 503 at once")
@@ -96,6 +98,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM")
     parser.add_argument("--profile-dir", type=Path, help="enables /start_profile and /stop_profile, traces go here")
+    parser.add_argument("--allow-unknown-fields", action="store_true",
+                        help="drop request fields this server does not declare instead of answering 400 (for "
+                        "clients that send extras); declared but unimplemented fields are still refused")
 
 
 def _add_process_group_flags(parser: argparse.ArgumentParser) -> None:
@@ -171,7 +176,8 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or _model_name(engine_config.model),
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
-        profile_dir=args.profile_dir)
+        profile_dir=args.profile_dir, allow_unknown_fields=args.allow_unknown_fields,
+        metrics_need_key=args.metrics_need_key)
     _join_process_group(args)
     return serve(engine_config, config)
 

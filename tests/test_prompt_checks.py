@@ -18,10 +18,18 @@ BAD_PROMPTS = [
 # (what LLM.generate is given, the same prompt as a completions body's "prompt" field, message)
 BAD_FORMS = [
     pytest.param("", "", "prompt is empty", id="empty-text"),
-    pytest.param(42, 42, "a prompt must be text or token ids, got int", id="a-number"),
-    pytest.param({"prompt_token_ids": [5, "a"]}, [5, "a"], "token ids must be a list of integers", id="not-ids"),
-    pytest.param({"prompt_token_ids": [5, True]}, [5, True], "token ids must be a list of integers", id="a-bool"),
     pytest.param("a\ud800", "a\ud800", "prompt is not valid Unicode text", id="lone-surrogate"),
+]
+
+# A body's wrong JSON types are caught by its declared schema (entrypoints/protocol.py), which run-batch shares with
+# the server; LLM.generate, given Python objects, names the same fault in its own words. Both name the field.
+# (what LLM.generate is given, its message, the body's "prompt", the schema's message)
+BAD_TYPES = [
+    pytest.param(42, "a prompt must be text or token ids, got int", 42, "prompt must be text, token ids", id="a-number"),
+    pytest.param({"prompt_token_ids": [5, "a"]}, "token ids must be a list of integers", [5, "a"],
+                 "prompt.1: Input should be a valid integer", id="not-ids"),
+    pytest.param({"prompt_token_ids": [5, True]}, "token ids must be a list of integers", [5, True],
+                 "prompt.1: Input should be a valid integer", id="a-bool"),
 ]
 
 
@@ -54,6 +62,15 @@ def test_offline_and_batch_refuse_bad_forms_alike(tiny_llm, offline_prompt, body
     batch = _batch_error(tiny_llm, body_prompt)
     assert message in str(offline)
     assert (str(offline), offline.param) == (batch["message"], batch["param"])
+
+
+@pytest.mark.parametrize("offline_prompt, offline_message, body_prompt, body_message", BAD_TYPES)
+def test_wrong_types_are_named_offline_and_by_the_schema(tiny_llm, offline_prompt, offline_message, body_prompt,
+                                                          body_message):
+    offline = _offline_error(tiny_llm, offline_prompt)
+    batch = _batch_error(tiny_llm, body_prompt)
+    assert str(offline).startswith(offline_message) and batch["message"].startswith(body_message)
+    assert offline.param == batch["param"] == "prompt"
 
 
 def test_batch_takes_one_prompt_per_line(tiny_llm):

@@ -1,6 +1,7 @@
 """Bad requests against the live server: each gets its own status and OpenAI's error JSON (never HTML, never a
 500), the API key never shows in an answer, and the server keeps serving afterwards."""
 
+import gzip
 import json
 
 import httpx
@@ -52,7 +53,7 @@ BAD_REQUESTS = [
     ("prompt empty list", "POST", COMPLETIONS, _completion(prompt=[]), 400, "prompt"),
     ("prompt an empty token-id list among others", "POST", COMPLETIONS, _completion(prompt=[[5], []]), 400, "prompt"),
     ("prompt token ids not integers", "POST", COMPLETIONS, _completion(prompt=[5, "a"]), 400, "prompt"),
-    ("prompt a lone surrogate", "POST", COMPLETIONS, b'{"prompt": "a\\ud800"}', 400, "prompt"),
+    ("prompt a lone surrogate (not valid JSON text)", "POST", COMPLETIONS, b'{"prompt": "a\\ud800"}', 400, None),
     ("temperature NaN", "POST", COMPLETIONS, b'{"prompt": "Hello", "temperature": NaN}', 400, "temperature"),
     ("stream_options a string", "POST", COMPLETIONS, _completion(stream=True, stream_options="x"), 400,
      "stream_options"),
@@ -93,6 +94,34 @@ BAD_REQUESTS = [
     ("tokenize a number", "POST", "/tokenize", {"prompt": 5}, 400, "prompt"),
     ("detokenize outside the vocabulary", "POST", "/detokenize", {"tokens": [5, 100000]}, 400, "tokens"),
     ("detokenize not ids", "POST", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("an unknown field", "POST", COMPLETIONS, _completion(temprature=0.5), 400, "temprature"),
+    ("an unknown chat field", "POST", CHAT, _chat(frobnicate=True), 400, "frobnicate"),
+    ("tools (not implemented yet)", "POST", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+     400, "tools"),
+    ("response_format json_object", "POST", CHAT, _chat(response_format={"type": "json_object"}), 400,
+     "response_format"),
+    ("best_of 3", "POST", COMPLETIONS, _completion(best_of=3), 400, "best_of"),
+    ("suffix", "POST", COMPLETIONS, _completion(suffix="end"), 400, "suffix"),
+    ("reasoning_effort", "POST", CHAT, _chat(reasoning_effort="high"), 400, "reasoning_effort"),
+    ("continuous usage stats", "POST", COMPLETIONS,
+     _completion(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), 400,
+     "stream_options"),
+    ("stream_options without stream", "POST", COMPLETIONS, _completion(stream_options={"include_usage": True}), 400,
+     "stream_options"),
+    ("a tool message", "POST", CHAT, _chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), 400,
+     "messages"),
+    ("an unknown role", "POST", CHAT, _chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "messages"),
+    ("max_tokens past the context", "POST", COMPLETIONS, _completion(max_tokens=10_000), 400, "max_tokens"),
+    ("max_completion_tokens past the context", "POST", CHAT, _chat(max_completion_tokens=10_000), 400,
+     "max_completion_tokens"),
+    ("text far beyond max_model_len, refused untokenized", "POST", COMPLETIONS, _completion(prompt="x" * 60_000), 400,
+     "prompt"),
+    ("tokenize text far beyond max_model_len", "POST", "/tokenize", {"prompt": "x" * 60_000}, 400, "prompt"),
+    ("detokenize more ids than any sequence", "POST", "/detokenize", {"tokens": [5] * 5000}, 400, "tokens"),
+    ("deeply nested JSON", "POST", COMPLETIONS, b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", 400, None),
+    ("a body that is not UTF-8", "POST", COMPLETIONS, b'{"prompt": "caf\xe9"}', 400,
+     None),
+    ("retrieve another model", "GET", "/v1/models/gpt-9", None, 404, "model"),
     ("GET on completions", "GET", COMPLETIONS, None, 405, None),
     ("GET on chat", "GET", CHAT, None, 405, None),
     ("POST on health", "POST", "/health", {}, 405, None),
@@ -101,12 +130,22 @@ BAD_REQUESTS = [
 ]
 
 
-# a completions `prompt` and the message LLM.generate and run-batch give for the same fault (tests/test_prompt_checks.py)
+# (name, headers, body bytes, status): what a body is sent as, besides being JSON
+BAD_ENCODINGS = [
+    ("gzip", {"Content-Type": "application/json", "Content-Encoding": "gzip"}, gzip.compress(b'{"prompt": "Hi"}'), 415),
+    ("form", {"Content-Type": "application/x-www-form-urlencoded"}, b"prompt=Hi", 415),
+    ("text", {"Content-Type": "text/plain"}, b'{"prompt": "Hi"}', 415),
+    ("latin-1", {"Content-Type": "application/json; charset=latin-1"}, '{"prompt": "café"}'.encode("latin-1"), 415),
+]
+
+
+# a completions `prompt` and the message run-batch (and, for faults of content, LLM.generate) gives for the same fault
+# (tests/test_prompt_checks.py)
 SAME_AS_OFFLINE = [
     ([], "prompt is empty"),
-    (42, "a prompt must be text or token ids, got int"),
-    ([5, "a"], "token ids must be a list of integers"),
-    (["Hi", [5, 100000]], "token id 100000 is outside the vocabulary [0, "),
+    (42, "prompt must be text, token ids, or a list of either"),
+    ([5, "a"], "prompt.1: Input should be a valid integer"),
+    ([[5], [5, 100000]], "token id 100000 is outside the vocabulary [0, "),
 ]
 
 
@@ -131,6 +170,21 @@ def test_bad_request_gets_its_status_and_openai_error(http, name, method, path, 
 
 
 
+@pytest.mark.parametrize("name, headers, body, status", BAD_ENCODINGS, ids=[r[0] for r in BAD_ENCODINGS])
+def test_bodies_not_sent_as_plain_utf8_json_are_refused(http, name, headers, body, status):
+    _assert_openai_error(http.post(COMPLETIONS, content=body, headers=headers), status, None)
+
+
+def test_wrong_methods_unknown_routes_and_missing_keys_say_what_to_do(server, http):
+    not_allowed = http.get(COMPLETIONS)
+    assert "POST" in not_allowed.headers["allow"].split(", ") and "POST" in not_allowed.json()["error"]["message"]
+    unknown = http.get("/nowhere")
+    assert "/openapi.json" in unknown.json()["error"]["message"]
+    denied = httpx.get(server.base_url + "/v1/models", timeout=60)
+    assert denied.status_code == 401 and denied.headers["www-authenticate"] == "Bearer"
+    assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+
+
 @pytest.mark.parametrize("prompt, message", SAME_AS_OFFLINE, ids=[m for _, m in SAME_AS_OFFLINE])
 def test_bad_prompts_get_the_offline_message(http, prompt, message):
     response = http.post(COMPLETIONS, json=_completion(prompt=prompt))
@@ -143,14 +197,17 @@ def test_bad_prompts_get_the_offline_message(http, prompt, message):
                                                                                  "basic"])
 def test_v1_routes_need_the_api_key(server, headers):
     for method, path, body in [("POST", COMPLETIONS, _completion()), ("POST", CHAT, _chat()),
-                               ("GET", "/v1/models", None), ("POST", "/start_profile", None)]:
+                               ("GET", "/v1/models", None), ("POST", "/start_profile", None),
+                               ("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [5]}),
+                               ("GET", "/tokenizer_info", None), ("GET", "/openapi.json", None)]:
         response = httpx.request(method, server.base_url + path, json=body, headers=headers, timeout=60)
         _assert_openai_error(response, 401, None)
         assert response.json()["error"]["type"] == "authentication_error"
 
 
-def test_health_needs_no_key(server):
-    assert httpx.get(server.base_url + "/health", timeout=60).status_code == 200
+def test_probes_need_no_key(server):
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(server.base_url + path, timeout=60).status_code == 200
 
 
 def test_official_client_raises_its_typed_errors(server):

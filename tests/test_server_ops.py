@@ -2,8 +2,10 @@
 leaving mid-stream, and the SIGTERM drain. Each server is the real `jaxserve serve` in a subprocess."""
 
 import asyncio
+import concurrent.futures
 import json
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -157,7 +159,7 @@ def test_openapi_lists_every_route_of_the_app(tiny_llm):
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server.app import ServerContext, create_app
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.ops import openapi_path
+    from jaxserve.server.openapi import openapi_path
 
     context = ServerContext(engine=AsyncEngine(tiny_llm.engine), tokenizer=tiny_llm.tokenizer, config=ServerConfig(),
                             max_model_len=tiny_llm.max_model_len, vocab_size=tiny_llm.model.config.vocab_size)
@@ -173,11 +175,61 @@ def test_openapi_lists_every_route_of_the_app(tiny_llm):
     listed = {(path, method) for path, operations in document["paths"].items() for method in operations}
     assert routes == listed
     assert {"/v1/completions", "/metrics", "/health", "/openapi.json", "/start_profile"} <= set(document["paths"])
+    # Bodies and answers are the declared models, not "any object".
+    completions = document["paths"]["/v1/completions"]["post"]
+    assert completions["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/CompletionRequestBody"}
+    assert completions["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/CompletionResponse"}
+    body = document["components"]["schemas"]["ChatCompletionRequestBody"]
+    assert body["additionalProperties"] is False and "messages" in body["required"]
+    assert body["properties"]["tools"]["x-jaxserve-refused"]
 
 
 def test_openapi_is_served(server):
     document = httpx.get(server.base_url + "/openapi.json", timeout=CLIENT_TIMEOUT_S).json()
     assert "post" in document["paths"]["/v1/completions"] and "get" in document["paths"]["/metrics"]
+
+
+# --- the event loop stays free ---------------------------------------------------------------------------------
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # `server` runs with the default --max-body-bytes
+
+
+def _maximal_bodies() -> list[tuple[str, bytes]]:
+    """Text prompts as large as the server takes, which used to be tokenized whole on the event loop (a 7 MB prompt
+    stalled /health for 5 s). (A body of a quarter-million tiny JSON objects still holds the interpreter for as long
+    as parsing it takes, ~80 ms on a 2-core CPU: test_a_flood_of_messages_is_refused_before_validation.)"""
+    text = json.dumps({"prompt": "word " * ((DEFAULT_MAX_BODY_BYTES - 1024) // 5)}).encode()
+    return [("/v1/completions", text), ("/tokenize", text)]
+
+
+def test_a_flood_of_messages_is_refused_before_validation(server):
+    message = {"role": "user", "content": "x"}
+    count = (DEFAULT_MAX_BODY_BYTES - 1024) // (len(json.dumps(message)) + 2)
+    answer = post(server, "/v1/chat/completions", {"messages": [message] * count})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+    assert f"messages holds {count} items" in answer.json()["error"]["message"]
+
+
+def test_health_answers_within_100_ms_while_maximal_bodies_are_processed(server):
+    def send(path: str, body: bytes) -> httpx.Response:
+        return httpx.post(server.base_url + path, content=body, headers={"Content-Type": "application/json"},
+                          timeout=CLIENT_TIMEOUT_S)
+
+    with httpx.Client(base_url=server.base_url, timeout=CLIENT_TIMEOUT_S) as health, \
+            concurrent.futures.ThreadPoolExecutor(2) as senders:
+        health.get("/health")  # connected before the bodies start
+        sent = [senders.submit(send, path, body) for path, body in _maximal_bodies()]
+        latencies = []
+        while not all(future.done() for future in sent):
+            start = time.perf_counter()
+            assert health.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+        answers = [future.result() for future in sent]
+    assert [answer.status_code for answer in answers] == [400, 400]
+    assert [answer.json()["error"]["param"] for answer in answers] == ["prompt", "prompt"]
+    assert len(latencies) >= 3 and max(latencies) < 0.1, latencies
 
 
 # --- admission, disconnects, drain --------------------------------------------------------------------------------

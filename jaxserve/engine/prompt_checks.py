@@ -34,3 +34,22 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
     outside = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if outside is not None:
         raise InvalidRequestError(f"token id {outside} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def check_text_bytes(num_bytes: int, *, longest_token_bytes: int, max_model_len: int, param: str = "prompt") -> None:
+    """Refuses text too long for max_model_len before it is tokenized (which could take seconds): no token covers more
+    than `longest_token_bytes` bytes, so more than max_model_len times that many bytes are more than max_model_len
+    tokens."""
+    if num_bytes > max_model_len * longest_token_bytes:
+        raise InvalidRequestError(f"{param} holds {num_bytes} bytes of text, more than max_model_len "
+                                  f"({max_model_len} tokens) can hold: no token of this model spells more than "
+                                  f"{longest_token_bytes} bytes", param=param)
+
+
+def check_room_to_generate(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str) -> None:
+    """Refuses, as vLLM's server does, a request whose prompt plus `max_tokens` (named `param`) overflows the
+    context, rather than generating fewer tokens than asked for."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(f"this model's maximum context length is {max_model_len} tokens, but "
+                                  f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+                                  f"{max_tokens} to generate): lower {param} or shorten the prompt", param=param)

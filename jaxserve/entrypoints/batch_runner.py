@@ -18,6 +18,7 @@ from jaxserve.entrypoints.llm import LLM
 from jaxserve.entrypoints.openai_body import (chat_completion_body, completion_body, default_max_tokens, error_body,
                                               sampling_params_from_body)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, completion_prompt, is_prompt_list
+from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.sampling_params import SamplingParams
 
@@ -70,7 +71,14 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
         if not isinstance(body, dict):
             raise InvalidRequestError("body must be a JSON object", param="body")
         chat = url == CHAT_URL
-        prompt = chat_prompt(llm.tokenizer, body.get("messages")) if chat else _completion_prompt(llm, body)
+        schema = ChatCompletionRequestBody if chat else CompletionRequestBody
+        body = parse_body(schema, body, max_items=llm.max_model_len).model_dump(exclude_none=True)
+        for unanswerable in ("stream", "echo"):
+            if body.get(unanswerable):
+                raise InvalidRequestError(f"{unanswerable} is not supported by run-batch, which writes each whole "
+                                          "response as one line", param=unanswerable)
+        prompt = (chat_prompt(llm.tokenizer, body["messages"], body.get("add_generation_prompt", True)) if chat
+                  else _completion_prompt(llm, body))
         check_prompt_tokens(prompt.token_ids, vocab_size=llm.model.config.vocab_size, max_model_len=llm.max_model_len)
         params = sampling_params_from_body(body, chat, default_max_tokens=default_max_tokens(
             chat, len(prompt.token_ids), llm.max_model_len))
@@ -85,7 +93,7 @@ def _completion_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
     prompt = body.get("prompt")
     if is_prompt_list(prompt):
         raise InvalidRequestError("run-batch takes one prompt per line, got a list of prompts", param="prompt")
-    return completion_prompt(prompt, llm.tokenizer)
+    return completion_prompt(prompt, llm.tokenizer, body.get("add_special_tokens", True))
 
 
 def _result_line(item: BatchItem, result, model_name: str) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from jaxserve.tokenizer import Tokenizer
 
 # Body fields that map one to one onto SamplingParams.
 _PASSED_THROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids")
+                   "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
+                   "include_stop_str_in_output")
 OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint generates when max_tokens is absent
 
 

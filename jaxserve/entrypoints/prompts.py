@@ -42,18 +42,20 @@ def tokenize_prompt(prompt: str | dict, tokenizer: Tokenizer, add_special_tokens
     return TokenizedPrompt(text=text, token_ids=tuple(encode_text(tokenizer, text, add_special_tokens)))
 
 
-def completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[TokenizedPrompt]:
+def completion_prompts(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bool = True) -> list[TokenizedPrompt]:
     """An OpenAI completions `prompt` field in its four forms: text, token ids, or a list of either."""
-    return [completion_prompt(p, tokenizer) for p in (prompt if is_prompt_list(prompt) else [prompt])]
+    return [completion_prompt(p, tokenizer, add_special_tokens)
+            for p in (prompt if is_prompt_list(prompt) else [prompt])]
 
 
-def completion_prompt(prompt: Any, tokenizer: Tokenizer) -> TokenizedPrompt:
-    """One prompt of an OpenAI request body: text or a list of token ids (the body has no dict form)."""
+def completion_prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bool = True) -> TokenizedPrompt:
+    """One prompt of an OpenAI request body: text (BOS added unless `add_special_tokens` is false) or a list of
+    token ids (the body has no dict form)."""
     if isinstance(prompt, list):
         return TokenizedPrompt(text=None, token_ids=token_ids_of(prompt))
     if not isinstance(prompt, str):
         raise _wrong_prompt_type(prompt)
-    return tokenize_prompt(prompt, tokenizer)
+    return tokenize_prompt(prompt, tokenizer, add_special_tokens)
 
 
 def is_prompt_list(prompt: Any) -> bool:

@@ -7,8 +7,8 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from quart import Quart, Response, jsonify
-from werkzeug.exceptions import HTTPException
+from quart import Quart, Response, jsonify, request
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from jaxserve.entrypoints.openai_body import error_body
 from jaxserve.errors import EngineDeadError, EngineStepError, InvalidRequestError, JaxserveError
@@ -49,6 +49,15 @@ def as_api_error(error: BaseException) -> ApiError:
         return ApiError(503, str(error), kind="service_unavailable", headers={"Retry-After": "5"})
     if isinstance(error, EngineStepError):
         return ApiError(500, str(error), kind="server_error")
+    if isinstance(error, MethodNotAllowed):
+        allowed = ", ".join(sorted(error.valid_methods or ()))
+        return ApiError(405, f"{request.method} is not allowed on {request.path}; it answers {allowed}",
+                        headers={"Allow": allowed})
+    if isinstance(error, NotFound):
+        return ApiError(404, f"no route {request.path} on this server (its routes are listed at /openapi.json)",
+                        kind="not_found_error")
+    if isinstance(error, RequestEntityTooLarge):
+        return ApiError(413, "the request body is larger than the server's --max-body-bytes")
     if isinstance(error, HTTPException):
         return ApiError(error.code or 500, error.description or error.name,
                         kind="invalid_request_error" if (error.code or 500) < 500 else "server_error")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import hmac
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from quart import Quart, current_app, request
 
@@ -15,6 +19,10 @@ from jaxserve.server.api_errors import ApiError, register_error_handlers
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.tokenizer import Tokenizer
+
+T = TypeVar("T")
+OPEN_PATHS = ("/health", "/version")  # answered without the API key: liveness probes and version checks
+WORKER_THREADS = 4  # requests parsed and tokenized at once; more wait their turn off the loop
 
 
 @dataclasses.dataclass
@@ -31,11 +39,23 @@ class ServerContext:
     profiling: bool = False  # a JAX profiler trace is being recorded (/start_profile until /stop_profile)
     metrics: ServerMetrics = dataclasses.field(init=False)  # this app's Prometheus registry, served by /metrics
     admission: Admission = dataclasses.field(init=False)  # admitted sequences against the engine's batch + queue
+    # Parsing, tokenizing and detokenizing run here, never on the event loop, so /health answers during them.
+    workers: concurrent.futures.ThreadPoolExecutor = dataclasses.field(init=False)
 
     def __post_init__(self):
         engine = self.engine
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.admission = Admission(engine.engine.config.max_num_seqs + self.config.max_waiting_requests)
+        self.workers = concurrent.futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="jaxserve-request")
+
+    @property
+    def max_text_bytes(self) -> int:
+        """Prompt text beyond this many bytes cannot fit max_model_len tokens (refused without tokenizing)."""
+        return self.max_model_len * self.tokenizer.longest_token_bytes
+
+    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` on a worker thread: what takes milliseconds or more stays off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, functools.partial(function, *args))
 
 
 def create_app(context: ServerContext) -> Quart:
@@ -50,6 +70,7 @@ def create_app(context: ServerContext) -> Quart:
     app.before_request(_check_api_key)
     app.before_serving(_start_engine)
     app.after_serving(_stop_engine)
+    app.after_serving(_stop_workers)
     for routes in (completions, chat, tokenizer_routes, ops):
         app.register_blueprint(routes.blueprint)
     return app
@@ -59,17 +80,25 @@ def server_context() -> ServerContext:
     return current_app.extensions["jaxserve"]
 
 
-async def json_body() -> dict[str, Any]:
-    """The request's JSON object; malformed JSON or another JSON type is a 400 in OpenAI's shape, never HTML."""
-    body = await request.get_json(force=True, silent=True)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
+async def request_bytes() -> bytes:
+    """The request's body, which must be uncompressed UTF-8 JSON (415 otherwise) within --max-body-bytes (413).
+
+    A missing Content-Type is read as JSON, as clients that send bare bodies expect; any other type is refused.
+    """
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed")
+    mimetype = request.mimetype
+    if mimetype and mimetype != "application/json" and not mimetype.endswith("+json"):
+        raise ApiError(415, f"the body must be JSON sent as Content-Type: application/json, got {mimetype!r}")
+    charset = request.mimetype_params.get("charset", "utf-8").lower()
+    if charset not in ("utf-8", "utf8"):
+        raise ApiError(415, f"the body must be UTF-8 JSON, got charset {charset!r}")
+    return await request.get_data(as_text=False)
 
 
-def check_model(body: dict[str, Any], context: ServerContext) -> None:
+def check_model(model: str | None, context: ServerContext) -> None:
     """Requests must name the served model (or leave it out, as some clients do); another name is a 404."""
-    model = body.get("model")
     if model is not None and model != context.config.served_model_name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                             f"{context.config.served_model_name!r}", param="model", kind="not_found_error")
@@ -77,19 +106,20 @@ def check_model(body: dict[str, Any], context: ServerContext) -> None:
 
 async def _check_api_key() -> None:
     context = server_context()
-    if context.config.api_key is None or not _needs_key(request.path):
+    if context.config.api_key is None or not _needs_key(request.path, context.config):
         return
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     # Constant time: the comparison must not reveal how much of a guessed key was right.
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), context.config.api_key.encode()):
-        raise ApiError(401, "missing or invalid API key (send Authorization: Bearer KEY)", kind="authentication_error")
+        raise ApiError(401, "missing or invalid API key (send Authorization: Bearer KEY)", kind="authentication_error",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
-def _needs_key(path: str) -> bool:
-    """The API (as in vLLM) and the profiler, which writes files; health, metrics and tokenizer routes stay open
-    for probes, scrapers and harnesses."""
-    return path.startswith("/v1/") or path in ("/start_profile", "/stop_profile")
+def _needs_key(path: str, config: ServerConfig) -> bool:
+    """Everything but the probes' routes: /health, /version, and /metrics unless --metrics-need-key (scrapers
+    often cannot send a key)."""
+    return path not in OPEN_PATHS and (path != "/metrics" or config.metrics_need_key)
 
 
 async def _start_engine() -> None:
@@ -98,3 +128,7 @@ async def _start_engine() -> None:
 
 async def _stop_engine() -> None:
     await server_context().engine.stop()
+
+
+async def _stop_workers() -> None:
+    server_context().workers.shutdown(wait=False, cancel_futures=True)

@@ -11,16 +11,19 @@ from typing import Any
 
 from quart import Blueprint, Response, jsonify
 
-from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.engine.prompt_checks import check_room_to_generate
 from jaxserve.entrypoints.openai_body import (chat_completion_body, chat_completion_chunk, chat_logprobs,
                                               default_max_tokens, sampling_params_from_body, usage, usage_chunk)
-from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
+from jaxserve.entrypoints.prompts import TokenizedPrompt
+from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, parse_body
+from jaxserve.entrypoints.protocol_responses import ChatCompletionResponse
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import streamed_response
-from jaxserve.server.app import ServerContext, check_model, json_body, server_context
-from jaxserve.server.request_fields import check_limits, flag, include_usage
+from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
+from jaxserve.server.openapi import RouteSchema, declares
+from jaxserve.server.request_fields import check_limits, conversation_prompt, flag, include_usage
 from jaxserve.server.streams import final_outputs, merged_events
 
 blueprint = Blueprint("chat", __name__)
@@ -37,11 +40,10 @@ class ChatRequest:
 
 
 @blueprint.post("/v1/chat/completions")
+@declares(RouteSchema(requests=(ChatCompletionRequestBody,), response=ChatCompletionResponse, streams=True))
 async def create_chat_completion() -> Response:
     context = server_context()
-    body = await json_body()
-    check_model(body, context)
-    request = parse_chat_request(body, context)
+    request = await context.off_loop(parse_chat_request, await request_bytes(), context)
     admit(context, request.params.n)
     model = context.config.served_model_name
     if request.stream:
@@ -54,14 +56,21 @@ async def create_chat_completion() -> Response:
     return jsonify(chat_completion_body(output, model))
 
 
-def parse_chat_request(body: dict[str, Any], context: ServerContext) -> ChatRequest:
-    prompt = chat_prompt(context.tokenizer, body.get("messages"))
-    check_prompt_tokens(prompt.token_ids, vocab_size=context.vocab_size, max_model_len=context.max_model_len,
-                        param="messages")
-    params = sampling_params_from_body(body, chat=True, default_max_tokens=default_max_tokens(
+def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
+    """The body checked against its schema, the conversation rendered, tokenized and checked, its sampling settings
+    built (on a worker thread)."""
+    body = parse_body(ChatCompletionRequestBody, raw, context.config.allow_unknown_fields,
+                      context.max_model_len)
+    check_model(body.model, context)
+    fields = body.model_dump(exclude_none=True)
+    prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True))
+    params = sampling_params_from_body(fields, chat=True, default_max_tokens=default_max_tokens(
         True, len(prompt.token_ids), context.max_model_len))
     check_limits(params, 1, context.config)
-    return ChatRequest(prompt, params, flag(body, "stream"), include_usage(body))
+    asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if getattr(body, asked) is not None:
+        check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, asked)
+    return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields))
 
 
 async def _chat_chunks(context: ServerContext, request: ChatRequest, chunk_id: str, created: int,

@@ -11,15 +11,18 @@ from typing import Any
 
 from quart import Blueprint, Response, jsonify
 
-from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.engine.prompt_checks import check_prompt_tokens, check_room_to_generate, check_text_bytes
 from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk,
                                               completion_logprobs, sampling_params_from_body, usage, usage_chunk)
-from jaxserve.entrypoints.prompts import TokenizedPrompt, completion_prompts
+from jaxserve.entrypoints.prompts import TokenizedPrompt, completion_prompts, is_prompt_list
+from jaxserve.entrypoints.protocol import CompletionRequestBody, parse_body
+from jaxserve.entrypoints.protocol_responses import CompletionResponse
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import ApiError, streamed_response
-from jaxserve.server.app import ServerContext, check_model, json_body, server_context
+from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
+from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.request_fields import check_limits, flag, include_usage
 from jaxserve.server.streams import final_outputs, merged_events
 
@@ -39,11 +42,10 @@ class CompletionRequest:
 
 
 @blueprint.post("/v1/completions")
+@declares(RouteSchema(requests=(CompletionRequestBody,), response=CompletionResponse, streams=True))
 async def create_completion() -> Response:
     context = server_context()
-    body = await json_body()
-    check_model(body, context)
-    request = parse_completion_request(body, context)
+    request = await context.off_loop(parse_completion_request, await request_bytes(), context)
     admit(context, len(request.prompts) * request.params.n)
     model = context.config.served_model_name
     if request.stream:
@@ -56,22 +58,35 @@ async def create_completion() -> Response:
     return jsonify(completion_body(outputs, model, echo_tokenizer=context.tokenizer if request.echo else None))
 
 
-def parse_completion_request(body: dict[str, Any], context: ServerContext) -> CompletionRequest:
-    prompts = _prompts(body.get("prompt"), context)
-    echo, stream = flag(body, "echo"), flag(body, "stream")
-    prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
-    fields = {**body, "max_tokens": 1} if prompt_only else body
-    params = sampling_params_from_body(fields, chat=False, default_max_tokens=OPENAI_DEFAULT_MAX_TOKENS)
+def parse_completion_request(raw: bytes, context: ServerContext) -> CompletionRequest:
+    """The body checked against its schema, its prompts tokenized and checked, its sampling settings built (on a
+    worker thread: tokenizing can take milliseconds)."""
+    body = parse_body(CompletionRequestBody, raw, context.config.allow_unknown_fields, context.max_model_len)
+    check_model(body.model, context)
+    fields = body.model_dump(exclude_none=True)
+    prompts = _prompts(body.prompt, context, add_special_tokens=flag(fields, "add_special_tokens", default=True))
+    echo, stream = flag(fields, "echo"), flag(fields, "stream")
+    prompt_only = echo and body.max_tokens == 0
+    params = sampling_params_from_body({**fields, "max_tokens": 1} if prompt_only else fields, chat=False,
+                                       default_max_tokens=OPENAI_DEFAULT_MAX_TOKENS)
     if echo and params.logprobs is not None:
         if stream:
             raise ApiError(400, "echo with logprobs is not supported when streaming", param="echo")
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     check_limits(params, len(prompts), context.config)
-    return CompletionRequest(prompts, params, echo, prompt_only, stream, include_usage(body))
+    if not prompt_only:
+        for prompt in prompts:
+            check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, "max_tokens")
+    return CompletionRequest(prompts, params, echo, prompt_only, stream, include_usage(fields))
 
 
-def _prompts(prompt: Any, context: ServerContext) -> list[TokenizedPrompt]:
-    tokenized = completion_prompts(prompt, context.tokenizer)
+def _prompts(prompt: Any, context: ServerContext, add_special_tokens: bool) -> list[TokenizedPrompt]:
+    for text in (prompt if is_prompt_list(prompt) else [prompt]):
+        if isinstance(text, str):
+            check_text_bytes(len(text.encode("utf-8", "surrogatepass")),
+                             longest_token_bytes=context.tokenizer.longest_token_bytes,
+                             max_model_len=context.max_model_len)
+    tokenized = completion_prompts(prompt, context.tokenizer, add_special_tokens)
     for p in tokenized:
         check_prompt_tokens(p.token_ids, vocab_size=context.vocab_size, max_model_len=context.max_model_len)
     return tokenized

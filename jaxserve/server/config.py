@@ -14,7 +14,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"  # loopback unless told otherwise: an open port is the operator's decision
     port: int = 8000  # TCP port; 0 picks a free one (tests)
-    api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1 routes when set
+    api_key: str | None = None  # required as `Authorization: Bearer KEY` on every route but /health, /version, /metrics
     served_model_name: str = "jaxserve-builtin"  # the id /v1/models lists and requests must name
     max_waiting_requests: int = 256  # requests queued beyond the running batch; more are answered 503 at once
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
@@ -23,6 +23,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # after SIGTERM, how long in-flight requests may take to finish
     health_timeout_s: float = 30.0  # /health fails if the engine thread does not answer within this
     profile_dir: Path | None = None  # where /start_profile writes JAX profiler traces; None disables the routes
+    metrics_need_key: bool = False  # /metrics asks for the API key too (it stays open by default, for scrapers)
+    allow_unknown_fields: bool = False  # drop request fields no one declared instead of answering 400
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

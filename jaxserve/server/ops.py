@@ -3,28 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import jax
-from quart import Blueprint, Quart, Response, current_app, jsonify
-from werkzeug.routing import Rule
+from quart import Blueprint, Response, current_app, jsonify
 
+from jaxserve.entrypoints.protocol_responses import ModelCard, ModelList
 from jaxserve.server.api_errors import ApiError
-from jaxserve.server.app import ServerContext, server_context
+from jaxserve.server.app import ServerContext, check_model, server_context
+from jaxserve.server.openapi import RouteSchema, declares, openapi_document
 
 blueprint = Blueprint("ops", __name__)
-
-_NOT_DOCUMENTED = {"HEAD", "OPTIONS"}  # methods every route answers implicitly
-_PLACEHOLDER = re.compile(r"<(?:[^<>]*:)?([^<>:]+)>")  # a Werkzeug path variable, converter and all
-_ERROR_SCHEMA = {  # OpenAI's error JSON, which every failure is answered with
-    "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-        "code": {"type": ["string", "integer", "null"]}}}},
-}
 
 
 @blueprint.get("/health")
@@ -42,6 +33,7 @@ async def health() -> Response:
 
 
 @blueprint.get("/metrics")
+@declares(RouteSchema(content_type="text/plain"))
 async def metrics() -> Response:
     """Prometheus metrics: engine queue and KV pages, request latencies, token and request counts."""
     body, content_type = server_context().metrics.exposition()
@@ -50,15 +42,28 @@ async def metrics() -> Response:
 
 @blueprint.get("/version")
 async def version() -> Response:
-    return jsonify({"version": _version()})
+    return jsonify({"version": metadata.version("jaxserve")})
 
 
 @blueprint.get("/v1/models")
+@declares(RouteSchema(response=ModelList))
 async def list_models() -> Response:
+    """The served model."""
+    return jsonify({"object": "list", "data": [_model_card(server_context())]})
+
+
+@blueprint.get("/v1/models/<path:model_id>")
+@declares(RouteSchema(response=ModelCard))
+async def retrieve_model(model_id: str) -> Response:
+    """One model by its id (the served model's, else 404)."""
     context = server_context()
-    return jsonify({"object": "list", "data": [{
-        "id": context.config.served_model_name, "object": "model", "created": context.created, "owned_by": "jaxserve",
-        "max_model_len": context.max_model_len}]})
+    check_model(model_id, context)
+    return jsonify(_model_card(context))
+
+
+def _model_card(context: ServerContext) -> dict[str, Any]:
+    return {"id": context.config.served_model_name, "object": "model", "created": context.created,
+            "owned_by": "jaxserve", "max_model_len": context.max_model_len}
 
 
 @blueprint.post("/start_profile")
@@ -92,42 +97,8 @@ async def stop_profile() -> Response:
 
 @blueprint.get("/openapi.json")
 async def openapi() -> Response:
-    """This document: every route of the server, generated from its URL map."""
+    """This document: every route of the server, generated from its URL map and the routes' declared schemas."""
     return jsonify(openapi_document(current_app))
-
-
-def openapi_document(app: Quart) -> dict[str, Any]:
-    """An OpenAPI 3.1 document with one operation per route and method; request bodies are loose JSON objects."""
-    paths: dict[str, dict[str, Any]] = {}
-    for rule in app.url_map.iter_rules():
-        for method in sorted(rule.methods - _NOT_DOCUMENTED):
-            paths.setdefault(openapi_path(rule), {})[method.lower()] = _operation(app, rule, method)
-    return {"openapi": "3.1.0", "info": {"title": "jaxserve", "version": _version()}, "paths": paths,
-            "components": {"schemas": {"Error": _ERROR_SCHEMA}}}
-
-
-def openapi_path(rule: Rule) -> str:
-    """Werkzeug's `/items/<int:item_id>` as OpenAPI's `/items/{item_id}`."""
-    return _PLACEHOLDER.sub(r"{\1}", rule.rule)
-
-
-def _operation(app: Quart, rule: Rule, method: str) -> dict[str, Any]:
-    doc = (app.view_functions[rule.endpoint].__doc__ or "").strip()
-    operation: dict[str, Any] = {
-        "operationId": f"{rule.endpoint}.{method.lower()}",
-        "summary": doc.splitlines()[0] if doc else rule.endpoint,
-        "responses": {
-            "200": {"description": "success"},
-            "default": {"description": "an OpenAI-style error",
-                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
-        },
-    }
-    if rule.arguments:
-        operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-                                   for name in sorted(rule.arguments)]
-    if method in ("POST", "PUT", "PATCH"):
-        operation["requestBody"] = {"content": {"application/json": {"schema": {"type": "object"}}}}
-    return operation
 
 
 def _profile_dir(context: ServerContext) -> Path:
@@ -136,5 +107,3 @@ def _profile_dir(context: ServerContext) -> Path:
     return context.config.profile_dir
 
 
-def _version() -> str:
-    return metadata.version("jaxserve")

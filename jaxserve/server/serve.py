@@ -10,6 +10,7 @@ finish, streams included, for at most --drain-timeout seconds; then Hypercorn st
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 
@@ -37,6 +38,12 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         return 0
     context = ServerContext(engine=AsyncEngine(llm.engine), tokenizer=llm.tokenizer, config=config,
                             max_model_len=llm.max_model_len, vocab_size=llm.model.config.vocab_size)
+    context.tokenizer.longest_token_bytes  # measured once now, not on the first request
+    # The millions of objects start-up leaves (JAX, the model, compiled programs) live as long as the server: frozen,
+    # the collector stops walking them, so a request that allocates many objects does not stall every other one
+    # (/health included) behind a full collection of the whole heap.
+    gc.collect()
+    gc.freeze()
     asyncio.run(_serve(context))
     llm.release_followers()
     return 0

@@ -6,37 +6,35 @@ instead of loading the tokenizer themselves.
 
 from __future__ import annotations
 
-from typing import Any
-
 from quart import Blueprint, Response, jsonify
 
-from jaxserve.engine.prompt_checks import check_token_ids
-from jaxserve.entrypoints.prompts import chat_prompt, encode_text, token_ids_of
-from jaxserve.server.api_errors import ApiError
-from jaxserve.server.app import ServerContext, check_model, json_body, server_context
-from jaxserve.server.request_fields import flag
+from jaxserve.engine.prompt_checks import check_text_bytes, check_token_ids
+from jaxserve.entrypoints.prompts import encode_text
+from jaxserve.entrypoints.protocol import (DetokenizeBody, TokenizeChatBody, TokenizeCompletionBody, parse_body,
+                                           parse_json_object)
+from jaxserve.entrypoints.protocol_responses import DetokenizeResponse, TokenizeResponse
+from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
+from jaxserve.server.openapi import RouteSchema, declares
+from jaxserve.server.request_fields import conversation_prompt, flag
 
 blueprint = Blueprint("tokenizer", __name__)
 
 
 @blueprint.post("/tokenize")
+@declares(RouteSchema(requests=(TokenizeCompletionBody, TokenizeChatBody), response=TokenizeResponse))
 async def tokenize() -> Response:
     """`{"prompt": str, "add_special_tokens": bool}` or `{"messages": [...], "add_generation_prompt": bool}`."""
     context = server_context()
-    body = await json_body()
-    check_model(body, context)
-    tokens = _tokens_of(body, context)
+    tokens = await context.off_loop(_tokens_of, await request_bytes(), context)
     return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": context.max_model_len})
 
 
 @blueprint.post("/detokenize")
+@declares(RouteSchema(requests=(DetokenizeBody,), response=DetokenizeResponse))
 async def detokenize() -> Response:
     """`{"tokens": [int, ...]}` → `{"prompt": str}`, special tokens spelled out so that /tokenize round-trips."""
     context = server_context()
-    body = await json_body()
-    check_model(body, context)
-    tokens = _checked_token_ids(body.get("tokens"), context.tokenizer.vocab_size)
-    return jsonify({"prompt": context.tokenizer.decode(tokens, skip_special_tokens=False)})
+    return jsonify({"prompt": await context.off_loop(_text_of, await request_bytes(), context)})
 
 
 @blueprint.get("/tokenizer_info")
@@ -54,18 +52,23 @@ async def tokenizer_info() -> Response:
     })
 
 
-def _tokens_of(body: dict[str, Any], context: ServerContext) -> list[int]:
-    if body.get("messages") is not None:
-        prompt = chat_prompt(context.tokenizer, body["messages"],
-                             add_generation_prompt=flag(body, "add_generation_prompt", default=True))
-        return list(prompt.token_ids)
-    text = body.get("prompt")
-    if not isinstance(text, str):
-        raise ApiError(400, "send prompt (a string) or messages (a list of {role, content} objects)", param="prompt")
-    return encode_text(context.tokenizer, text, flag(body, "add_special_tokens", default=True))
+def _tokens_of(raw: bytes, context: ServerContext) -> list[int]:
+    value = parse_json_object(raw)
+    if "messages" in value:
+        body = parse_body(TokenizeChatBody, value, context.config.allow_unknown_fields, context.max_model_len)
+        check_model(body.model, context)
+        fields = body.model_dump(exclude_none=True)
+        return list(conversation_prompt(fields["messages"], context,
+                                        flag(fields, "add_generation_prompt", default=True)).token_ids)
+    body = parse_body(TokenizeCompletionBody, value, context.config.allow_unknown_fields, context.max_model_len)
+    check_model(body.model, context)
+    check_text_bytes(len(body.prompt.encode("utf-8", "surrogatepass")),
+                     longest_token_bytes=context.tokenizer.longest_token_bytes, max_model_len=context.max_model_len)
+    return encode_text(context.tokenizer, body.prompt, body.add_special_tokens is not False)
 
 
-def _checked_token_ids(tokens: Any, vocab_size: int) -> list[int]:
-    ids = token_ids_of(tokens, param="tokens")
-    check_token_ids(ids, vocab_size, param="tokens")
-    return list(ids)
+def _text_of(raw: bytes, context: ServerContext) -> str:
+    body = parse_body(DetokenizeBody, raw, context.config.allow_unknown_fields, context.max_model_len)
+    check_model(body.model, context)
+    check_token_ids(body.tokens, context.tokenizer.vocab_size, param="tokens")
+    return context.tokenizer.decode(body.tokens, skip_special_tokens=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -47,6 +48,14 @@ class Tokenizer(abc.ABC):
     def all_special_ids(self) -> frozenset[int]:
         """Ids that `decode(..., skip_special_tokens=True)` leaves out."""
         return self._special_ids
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes of any vocabulary spelling: no token covers more input than its spelling's bytes
+        (byte-level and sentencepiece spellings are at least as long as what they stand for), so text of more than
+        n times this many bytes has more than n tokens, which is known without tokenizing it."""
+        spellings = (self.id_to_token(token_id) for token_id in range(self.vocab_size))
+        return max((len(spelling.encode()) for spelling in spellings if spelling is not None), default=1)
 
     @abc.abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,0 +1,292 @@
+"""The OpenAI (and vLLM) request bodies as declared schemas: one pydantic model per route.
+
+Every field of OpenAI's and vLLM's completions and chat requests is declared here, so none is ever silently
+ignored: it is either honoured (the engine does what it asks) or refused (`_refused`: a 400 naming it unless it
+holds a value that asks for nothing, such as `tools: []` or `best_of: 1`). A field no one declared is refused too
+(pydantic's `extra="forbid"`), unless the server runs with --allow-unknown-fields. Validation is strict (JSON
+types as they are: `"yes"` is not a boolean, `2.0` not an integer) and NaN or infinite numbers are refused.
+
+The models check types and shapes; value ranges (temperature >= 0, ...) stay with SamplingParams, which the
+offline API shares. The server's /openapi.json and the 400 messages both come from these models; `FIELD_STATUS`
+is the README's table of every field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxserve.errors import InvalidRequestError
+
+REFUSED, NEUTRAL = "x-jaxserve-refused", "x-jaxserve-neutral"  # a refused field's schema keys
+NOT_YET = "not implemented yet"
+TOOLS_REASON = "tool calls and structured output are not implemented yet"
+
+
+def _refused(reason: str, *neutral: Any, description: str = "") -> Any:
+    """A declared field that the server does not implement: present with a value other than null or one of
+    `neutral` (values that ask for nothing), it is a 400 giving `reason`."""
+    return Field(default=None, description=f"refused unless {_spelled(neutral)}: {reason}. {description}".strip(),
+                 json_schema_extra={REFUSED: reason, NEUTRAL: list(neutral)})
+
+
+def _spelled(neutral: tuple[Any, ...]) -> str:
+    return " or ".join(["null", *(json.dumps(value) for value in neutral)])
+
+
+class _Body(BaseModel):
+    """Strict JSON types, finite numbers, no undeclared fields."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = Field(None, description="a last event with the request's usage")
+    continuous_usage_stats: bool | None = Field(None, description="refused unless null or false: usage in every "
+                                                "event is " + NOT_YET)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One message of a conversation; the model's chat template renders them."""
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="who speaks (tool messages come with tool calls, which are not implemented yet)")
+    content: str | list[TextPart] | None = Field(None, description="text, or text parts joined by newlines (the "
+                                                 "served model reads text only)")
+    name: str | None = Field(None, description="the speaker's name, passed to the chat template")
+    tool_calls: list[dict[str, Any]] | None = _refused(TOOLS_REASON, [])
+    tool_call_id: str | None = _refused(TOOLS_REASON)
+    function_call: dict[str, Any] | None = _refused(TOOLS_REASON)
+    refusal: str | None = _refused("assistant refusals are an OpenAI-side feature")
+    reasoning_content: str | None = _refused("reasoning models are " + NOT_YET)
+
+
+class _Sampling(_Body):
+    """Fields both completions and chat take: how tokens are drawn and when generation stops."""
+
+    model: str | None = Field(None, description="the served model's name (--served-model-name); may be left out")
+    frequency_penalty: float | None = Field(None, description="subtracted per occurrence of a generated token "
+                                            "(-2 to 2)")
+    presence_penalty: float | None = Field(None, description="subtracted once per generated token (-2 to 2)")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) → bias added to its logit")
+    max_tokens: int | None = Field(None, description="most tokens to generate")
+    n: int | None = Field(None, description="continuations per prompt")
+    seed: int | None = Field(None, description="same seed, same tokens")
+    stop: str | list[str] | None = Field(None, description="a string or a list of strings that end generation "
+                                                "(left out of the text)")
+    stream: bool | None = Field(None, description="answer as server-sent events")
+    stream_options: StreamOptions | None = Field(None, description="with stream only")
+    temperature: float | None = Field(None, description="0 decodes greedily")
+    top_p: float | None = Field(None, description="nucleus sampling, in (0, 1]")
+    user: str | None = Field(None, description="accepted: an end-user id, as OpenAI takes it; changes nothing")
+    # vLLM's sampling extensions.
+    top_k: int | None = Field(None, description="keep the k likeliest tokens (0 or -1: all)")
+    min_p: float | None = Field(None, description="drop tokens less likely than min_p × the likeliest")
+    repetition_penalty: float | None = Field(None, description="divides the logits of seen tokens (1: none)")
+    ignore_eos: bool | None = Field(None, description="generate past the end-of-sequence token")
+    min_tokens: int | None = Field(None, description="EOS and stop_token_ids are ignored until this many tokens")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end generation besides EOS")
+    skip_special_tokens: bool | None = Field(None, description="leave special tokens out of the text (default)")
+    include_stop_str_in_output: bool | None = Field(None, description="keep the matched stop string in the text")
+    # Declared, refused until built.
+    response_format: dict[str, Any] | None = _refused(TOOLS_REASON, {"type": "text"})
+    structured_outputs: dict[str, Any] | None = _refused(TOOLS_REASON)
+    guided_json: Any = _refused(TOOLS_REASON)
+    guided_regex: str | None = _refused(TOOLS_REASON)
+    guided_choice: list[str] | None = _refused(TOOLS_REASON)
+    guided_grammar: str | None = _refused(TOOLS_REASON)
+    guided_decoding_backend: str | None = _refused(TOOLS_REASON)
+    guided_whitespace_pattern: str | None = _refused(TOOLS_REASON)
+    allowed_token_ids: list[int] | None = _refused(NOT_YET)
+    bad_words: list[str] | None = _refused(NOT_YET, [])
+    prompt_logprobs: int | None = _refused(NOT_YET + " over HTTP (echo with logprobs scores a completions prompt)")
+    truncate_prompt_tokens: int | None = _refused(NOT_YET)
+    priority: int | None = _refused("request priorities are " + NOT_YET, 0)
+    request_id: str | None = _refused("the server names its own requests")
+    return_tokens_as_token_ids: bool | None = _refused(NOT_YET, False)
+    return_token_ids: bool | None = _refused(NOT_YET, False)
+    use_beam_search: bool | None = _refused("beam search is " + NOT_YET, False)
+    length_penalty: float | None = _refused("beam search is " + NOT_YET, 1.0)
+    logits_processors: list[Any] | None = _refused("custom logits processors are " + NOT_YET, [])
+    spaces_between_special_tokens: bool | None = _refused(NOT_YET, True)
+    cache_salt: str | None = _refused(NOT_YET)
+    kv_transfer_params: dict[str, Any] | None = _refused("disaggregated serving is " + NOT_YET)
+    vllm_xargs: dict[str, Any] | None = _refused(NOT_YET)
+    mm_processor_kwargs: dict[str, Any] | None = _refused("the served model reads text only", {})
+    prompt_embeds: Any = _refused("prompt embeddings are " + NOT_YET)
+
+
+class CompletionRequestBody(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="text, token ids, or a list of either (one request each)")
+    echo: bool | None = Field(None, description="each choice starts with its prompt (with max_tokens 0: the prompt "
+                              "alone)")
+    logprobs: int | None = Field(None, description="top log-probabilities per token (0 to 20)")
+    add_special_tokens: bool | None = Field(None, description="add BOS to text prompts (default true)")
+    best_of: int | None = _refused("best-of sampling is " + NOT_YET, 1)
+    suffix: str | None = _refused("insertion (fill in the middle) is " + NOT_YET, "")
+
+
+class ChatCompletionRequestBody(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
+        description="the conversation, rendered by the model's chat template")
+    logprobs: bool | None = Field(None, description="return the sampled tokens' log-probabilities")
+    top_logprobs: int | None = Field(None, description="with logprobs: this many alternatives per token (0 to 20)")
+    max_completion_tokens: int | None = Field(None, description="most tokens to generate (wins over max_tokens)")
+    add_generation_prompt: bool | None = Field(None, description="end the rendered prompt with the assistant's "
+                                               "header (default true)")
+    tools: list[dict[str, Any]] | None = _refused(TOOLS_REASON, [])
+    tool_choice: str | dict[str, Any] | None = _refused(TOOLS_REASON, "none", "auto")
+    parallel_tool_calls: bool | None = _refused(TOOLS_REASON, True, False, description="only means something with "
+                                                "tools")
+    functions: list[dict[str, Any]] | None = _refused(TOOLS_REASON, [])
+    function_call: str | dict[str, Any] | None = _refused(TOOLS_REASON, "none", "auto")
+    audio: dict[str, Any] | None = _refused("the served model reads and writes text only")
+    modalities: list[str] | None = _refused("the served model writes text only", ["text"])
+    prediction: dict[str, Any] | None = _refused("predicted outputs are " + NOT_YET)
+    reasoning_effort: str | None = _refused("reasoning models are " + NOT_YET)
+    verbosity: str | None = _refused(NOT_YET)
+    service_tier: str | None = _refused("there is one service tier", "auto", "default")
+    store: bool | None = _refused("completions are not stored", False)
+    metadata: dict[str, str] | None = _refused("completions are not stored", {})
+    web_search_options: dict[str, Any] | None = _refused("web search is not available")
+    prompt_cache_key: str | None = Field(None, description="accepted: prefix caching is automatic, so the hint is "
+                                         "not needed")
+    safety_identifier: str | None = Field(None, description="accepted: an end-user id, as OpenAI takes it; "
+                                          "changes nothing")
+    echo: bool | None = _refused("echoing the last message is " + NOT_YET, False)
+    continue_final_message: bool | None = _refused(NOT_YET, False)
+    add_special_tokens: bool | None = _refused("the chat template writes the special tokens", False)
+    chat_template: str | None = _refused("the server renders with the model's own template")
+    chat_template_kwargs: dict[str, Any] | None = _refused(NOT_YET, {})
+    documents: list[dict[str, Any]] | None = _refused(NOT_YET, [])
+
+
+class TokenizeCompletionBody(_Body):
+    """POST /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str = Field(description="text to tokenize")
+    add_special_tokens: bool | None = Field(None, description="add BOS (default true)")
+
+
+class TokenizeChatBody(_Body):
+    """POST /tokenize with a conversation."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool | None = Field(None, description="end with the assistant's header (default true)")
+
+
+class DetokenizeBody(_Body):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int] = Field(description="token ids to spell out (special tokens included)")
+
+
+def parse_body(model: type[_Body], raw: bytes | str | dict, allow_unknown_fields: bool = False,
+               max_items: int | None = None) -> _Body:
+    """`raw` (JSON text, or an already parsed object) as `model`, with every refused field checked; anything wrong
+    is an InvalidRequestError naming the field (`param`).
+
+    `max_items` (the model's max_model_len): no list or object of a usable request holds more items (a prompt, a
+    message, a stop token each cost a token at least), so larger ones are refused before validating them, which
+    would hold the interpreter for as long as they are large.
+    """
+    value = raw if isinstance(raw, dict) else parse_json_object(raw)
+    if max_items is not None:
+        for name, item in value.items():
+            _check_items(name, item, max_items)
+    if allow_unknown_fields:
+        value = {key: item for key, item in value.items() if key in model.model_fields}
+    try:
+        body = model.model_validate(value)
+    except ValidationError as error:
+        raise _invalid(model, error) from None
+    check_refused(body)
+    return body
+
+
+def check_refused(body: BaseModel) -> None:
+    """The first refused field holding a value that asks for something, as a 400 naming it (nested models too)."""
+    for name, field in type(body).model_fields.items():
+        value = getattr(body, name)
+        extra = field.json_schema_extra or {}
+        if REFUSED in extra and value is not None and value not in extra[NEUTRAL]:
+            raise InvalidRequestError(f"{name} is not supported: {extra[REFUSED]}", param=name)
+        for nested in value if isinstance(value, list) else [value]:
+            if isinstance(nested, BaseModel):
+                try:
+                    check_refused(nested)
+                except InvalidRequestError as error:
+                    raise InvalidRequestError(str(error), param=name) from None
+    if isinstance(body, StreamOptions) and body.continuous_usage_stats:
+        raise InvalidRequestError("stream_options.continuous_usage_stats is not supported: " + NOT_YET,
+                                  param="stream_options")
+
+
+def _check_items(name: str, value: Any, max_items: int) -> None:
+    """Refuses field `name` if a list or object inside it is longer than `max_items`; lists of plain values are
+    measured, not walked."""
+    if isinstance(value, (list, dict)):
+        if len(value) > max_items:
+            raise InvalidRequestError(f"{name} holds {len(value)} items, more than a request to this model can use "
+                                      f"({max_items}, its max_model_len)", param=name)
+        for item in value.values() if isinstance(value, dict) else value:
+            if isinstance(item, (list, dict)):
+                _check_items(name, item, max_items)
+
+
+def parse_json_object(raw: bytes | str) -> dict[str, Any]:
+    """A request body as a JSON object; not UTF-8, not JSON (too deeply nested included) or not an object is an
+    InvalidRequestError."""
+    value = _json_value(raw)
+    if not isinstance(value, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return value
+
+
+def _json_value(raw: bytes | str) -> Any:
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as error:
+        raise InvalidRequestError(f"the request body is not UTF-8: byte {raw[error.start]:#04x} at position "
+                                  f"{error.start}") from None
+    try:
+        return pydantic_core.from_json(text, allow_inf_nan=True)
+    except ValueError as error:
+        raise InvalidRequestError(f"the request body is not valid JSON: {error}") from None
+
+
+def _invalid(model: type[_Body], error: ValidationError) -> InvalidRequestError:
+    """pydantic's errors as one message and the top-level field at fault."""
+    errors = error.errors(include_url=False)
+    first = errors[0]
+    param = str(first["loc"][0]) if first["loc"] else None
+    if first["type"] == "extra_forbidden":
+        return InvalidRequestError(f"unknown field {param!r}: this server does not implement it (an operator can "
+                                   "start it with --allow-unknown-fields to drop unknown fields instead)", param=param)
+    if first["type"] == "missing" and len(first["loc"]) == 1:
+        return InvalidRequestError(f"{param} is required", param=param)
+    # Of a union's failed branches, the one that got furthest says the most; if none got inside, the field's
+    # description says what it takes.
+    branches = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    deepest = max(branches, key=lambda e: len(e["loc"]))
+    field = model.model_fields.get(param) if param is not None else None
+    if len(branches) > 1 and len(deepest["loc"]) <= 2 and field is not None and field.description:
+        return InvalidRequestError(f"{param} must be {field.description}", param=param)
+    where = ".".join(str(part) for part in deepest["loc"] if isinstance(part, int) or part.isidentifier())
+    return InvalidRequestError(f"{where}: {deepest['msg']}" if where else deepest["msg"], param=param)

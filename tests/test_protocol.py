@@ -1,0 +1,73 @@
+"""The declared request schemas: strict JSON types, unknown fields refused (or dropped when allowed), refused fields
+accepted only with values that ask for nothing, and errors that name the field."""
+
+import json
+
+import pytest
+
+from jaxserve.entrypoints.protocol import (NEUTRAL, REFUSED, ChatCompletionRequestBody, CompletionRequestBody,
+                                           parse_body)
+from jaxserve.errors import InvalidRequestError
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+COMPLETION = {"prompt": "Hi"}
+
+
+def _refused_fields(model):
+    return [(name, field.json_schema_extra) for name, field in model.model_fields.items()
+            if REFUSED in (field.json_schema_extra or {})]
+
+
+@pytest.mark.parametrize("model, base", [(CompletionRequestBody, COMPLETION), (ChatCompletionRequestBody, CHAT)],
+                         ids=["completions", "chat"])
+def test_refused_fields_take_only_values_that_ask_for_nothing(model, base):
+    for name, extra in _refused_fields(model):
+        for neutral in [None, *extra[NEUTRAL]]:
+            parse_body(model, json.dumps({**base, name: neutral}))
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("best_of", 2), ("suffix", "x"),
+                                          ("response_format", {"type": "json_schema"}), ("priority", 3),
+                                          ("use_beam_search", True), ("service_tier", "flex")])
+def test_a_refused_field_asking_for_something_is_named(field, value):
+    model, base = (CompletionRequestBody, COMPLETION) if field in ("best_of", "suffix") else (
+        ChatCompletionRequestBody, CHAT)
+    with pytest.raises(InvalidRequestError, match=f"{field} is not supported") as refused:
+        parse_body(model, json.dumps({**base, field: value}))
+    assert refused.value.param == field
+
+
+def test_unknown_fields_are_refused_unless_allowed():
+    with pytest.raises(InvalidRequestError, match="unknown field 'temprature'") as refused:
+        parse_body(CompletionRequestBody, json.dumps({**COMPLETION, "temprature": 0}))
+    assert refused.value.param == "temprature"
+    body = parse_body(CompletionRequestBody, json.dumps({**COMPLETION, "temprature": 0}), allow_unknown_fields=True)
+    assert body.temperature is None
+    with pytest.raises(InvalidRequestError, match="best_of is not supported"):  # declared ones are still refused
+        parse_body(CompletionRequestBody, json.dumps({**COMPLETION, "best_of": 4}), allow_unknown_fields=True)
+
+
+@pytest.mark.parametrize("raw, param", [
+    ('{"prompt": "Hi", "stream": "yes"}', "stream"),
+    ('{"prompt": "Hi", "n": 2.0}', "n"),
+    ('{"prompt": "Hi", "temperature": NaN}', "temperature"),
+    ('{"prompt": "Hi", "temperature": Infinity}', "temperature"),
+    ('{"prompt": "Hi", "stop_token_ids": [1, true]}', "stop_token_ids"),
+    ('{"prompt": "Hi", "max_tokens": "3"}', "max_tokens"),
+    ('{"max_tokens": 3}', "prompt"),
+    ('[1, 2]', None),
+    ('{"prompt": ', None),
+])
+def test_json_types_are_taken_as_they_are(raw, param):
+    with pytest.raises(InvalidRequestError) as refused:
+        parse_body(CompletionRequestBody, raw)
+    assert refused.value.param == param
+
+
+def test_lists_longer_than_max_model_len_are_refused_before_validation():
+    with pytest.raises(InvalidRequestError, match="stop_token_ids holds 9 items") as refused:
+        parse_body(CompletionRequestBody, json.dumps({**COMPLETION, "stop_token_ids": list(range(9))}), max_items=8)
+    assert refused.value.param == "stop_token_ids"
+    with pytest.raises(InvalidRequestError, match="prompt holds 9 items"):
+        parse_body(CompletionRequestBody, json.dumps({"prompt": [[1], list(range(9))]}), max_items=8)
+    assert parse_body(CompletionRequestBody, json.dumps({"prompt": list(range(8))}), max_items=8).prompt

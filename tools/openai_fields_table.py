@@ -1,0 +1,44 @@
+"""Prints the README's table of OpenAI request fields from the declared schemas (jaxserve/entrypoints/protocol.py):
+each field honoured or refused, and why. tests/test_openai_fields.py checks the README holds exactly this.
+
+    .venv/bin/python tools/openai_fields_table.py
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel
+
+from jaxserve.entrypoints.protocol import (NEUTRAL, REFUSED, ChatCompletionRequestBody, ChatMessage,
+                                           CompletionRequestBody)
+
+
+def field_status(model: type[BaseModel]) -> dict[str, str]:
+    """Each field of `model` and what the server does with it."""
+    status = {}
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra or {}
+        if REFUSED in extra:
+            allowed = ", ".join(["null", *(json.dumps(value) for value in extra[NEUTRAL])])
+            status[name] = f"refused unless {allowed}: {extra[REFUSED]}"
+        elif (field.description or "").startswith("accepted"):
+            status[name] = field.description
+        else:
+            status[name] = "honoured" + (f": {field.description}" if field.description else "")
+    return status
+
+
+def markdown() -> str:
+    completions, chat = field_status(CompletionRequestBody), field_status(ChatCompletionRequestBody)
+    shared = [name for name in completions if chat.get(name) == completions[name]]
+    tables = [("`/v1/completions` and `/v1/chat/completions`", {name: completions[name] for name in shared}),
+              ("`/v1/completions` only", {n: s for n, s in completions.items() if n not in shared}),
+              ("`/v1/chat/completions` only", {n: s for n, s in chat.items() if n not in shared}),
+              ("a chat message (`messages[i]`)", field_status(ChatMessage))]
+    return "\n\n".join("\n".join([f"| field | {title} |", "|---|---|", *(f"| `{n}` | {s} |" for n, s in rows.items())])
+                       for title, rows in tables)
+
+
+if __name__ == "__main__":
+    print(markdown())

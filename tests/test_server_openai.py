@@ -171,8 +171,22 @@ def test_chat_logprobs_with_top_3_match_offline(client, oracle):
     assert len(content) == response.usage.completion_tokens == len(expected.token_ids)
     for entry, token_id, candidates in zip(content, expected.token_ids, expected.logprobs):
         assert entry.logprob == pytest.approx(candidates[token_id].logprob, abs=LOGPROB_TOLERANCE)
-        assert 3 <= len(entry.top_logprobs) <= 4 and entry.token in [t.token for t in entry.top_logprobs]
+        assert len(entry.top_logprobs) == 3 and entry.token in [t.token for t in entry.top_logprobs]
         assert entry.top_logprobs[0].logprob == max(t.logprob for t in entry.top_logprobs)
+
+
+@pytest.mark.parametrize("top", [0, 1])
+def test_chat_top_logprobs_lists_exactly_n_and_each_tokens_own_bytes(client, top):
+    """As OpenAI: N alternatives whether or not the sampled token is among them (sampling at temperature 1 often
+    picks one outside the top 1), and `bytes` the token's bytes, which join to the text even where a token holds
+    part of a character."""
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=1.0, seed=7,
+                                              logprobs=True, top_logprobs=top,
+                                              extra_body={"skip_special_tokens": False})
+    content = response.choices[0].logprobs.content
+    assert all(len(entry.top_logprobs) == top for entry in content)
+    assert bytes(b for entry in content for b in entry.bytes).decode(errors="replace") == (
+        response.choices[0].message.content)
 
 
 def test_streamed_chat_logprobs_cover_every_token(client):

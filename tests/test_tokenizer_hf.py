@@ -196,3 +196,22 @@ def test_shipped_builtin_files_are_what_the_script_builds():
     for part in ("model", "added_tokens", "pre_tokenizer", "post_processor", "decoder"):
         assert built[part] == shipped[part], part
     assert script.tokenizer_config() == json.loads((BUILTIN_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+def test_token_bytes_join_to_what_tokenizers_decodes(builtin, reference, text):
+    """Byte-level: every token's own bytes, joined, are the library's text; a piece of a character stays a piece."""
+    ids = reference.encode(text, add_special_tokens=False).ids
+    assert b"".join(builtin.token_bytes(i) for i in ids).decode() == reference.decode(ids)
+    assert builtin.token_bytes(BUILTIN_SPECIAL_IDS["<|eot_id|>"]) == b"<|eot_id|>"
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+def test_metaspace_token_bytes_join_to_what_transformers_decodes(llama2_tokenizer_json_dir, text):
+    transformers = pytest.importorskip("transformers")
+    ours = load_tokenizer(llama2_tokenizer_json_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(llama2_tokenizer_json_dir)
+    ids = theirs.encode(text, add_special_tokens=False)
+    joined = b"".join(ours.token_bytes(i) for i in ids).decode()
+    assert joined.removeprefix(" ") == theirs.decode(ids)  # the decoder drops the first "▁"'s space

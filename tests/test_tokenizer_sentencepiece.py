@@ -146,3 +146,11 @@ def test_corrupt_model_file_names_the_file(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"\x00 definitely not a protobuf \xff")
     with pytest.raises(TokenizerError, match=re.escape(str(tmp_path / "tokenizer.model"))):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+def test_token_bytes_join_to_what_sentencepiece_decodes(tokenizer, processor, text):
+    ids = processor.encode(text)
+    joined = b"".join(tokenizer.token_bytes(i) for i in ids).decode()
+    assert joined.removeprefix(" ") == processor.decode(ids)
+    assert tokenizer.token_bytes(processor.bos_id()) == b"<s>" and tokenizer.token_bytes(10**6) == b""

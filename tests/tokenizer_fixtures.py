@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from jaxserve.tokenizer.token_bytes import byte_level_alphabet
+
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "jaxserve" / "builtin"
 BUILTIN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -90,14 +92,7 @@ def copy_builtin_tokenizer(folder: Path) -> Path:
 
 def gpt2_byte_to_char() -> dict[int, str]:
     """Byte-level BPE's printable stand-in for each byte (GPT-2's table), to find single-byte token ids."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
+    return {byte: char for char, byte in byte_level_alphabet().items()}
 
 
 def make_llama2_folder(folder: Path) -> Path:

@@ -21,6 +21,7 @@ from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, completio
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -46,7 +47,7 @@ def run_batch(llm: LLM, input_path: Path, output_path: Path, model_name: str) ->
     by_id = {id(item): result for item, result in zip(valid, results)}
     with Path(output_path).open("w") as out:
         for item in items:
-            out.write(json.dumps(_result_line(item, by_id.get(id(item)), model_name)) + "\n")
+            out.write(json.dumps(_result_line(item, by_id.get(id(item)), model_name, llm.tokenizer)) + "\n")
     return len(valid), len(items) - len(valid)
 
 
@@ -96,11 +97,12 @@ def _completion_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
     return completion_prompt(prompt, llm.tokenizer, body.get("add_special_tokens", True))
 
 
-def _result_line(item: BatchItem, result, model_name: str) -> dict[str, Any]:
+def _result_line(item: BatchItem, result, model_name: str, tokenizer: Tokenizer) -> dict[str, Any]:
     request_id = f"batch-{uuid.uuid4().hex}"
     if item.error is not None:
         response = {"status_code": 400, "request_id": request_id, "body": item.error}
     else:
-        body = chat_completion_body(result, model_name) if item.chat else completion_body([result], model_name)
+        body = (chat_completion_body(result, model_name, item.params.logprobs or 0, tokenizer) if item.chat
+                else completion_body([result], model_name))
         response = {"status_code": 200, "request_id": request_id, "body": body}
     return {"id": request_id, "custom_id": item.custom_id, "response": response, "error": None}

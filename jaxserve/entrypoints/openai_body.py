@@ -124,13 +124,14 @@ def _completion_choice(output: RequestOutput, completion: CompletionOutput, inde
             "stop_reason": completion.stop_reason}
 
 
-def chat_completion_body(output: RequestOutput, model: str) -> dict[str, Any]:
-    """The /v1/chat/completions response for one conversation's result."""
+def chat_completion_body(output: RequestOutput, model: str, num_top: int, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The /v1/chat/completions response for one conversation's result; `num_top`: the top_logprobs asked for."""
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
         "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": chat_logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                     "logprobs": chat_logprobs(c.token_ids, c.logprobs, num_top, tokenizer),
+                     "finish_reason": c.finish_reason,
                      "stop_reason": c.stop_reason}
                     for c in output.outputs],
         "usage": usage([output]),
@@ -194,19 +195,23 @@ def _offsets(pieces: list[str], first: int) -> list[int]:
     return offsets
 
 
-def chat_logprobs(token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
-    """The chat shape: one entry per token with its top alternatives (most likely first)."""
+def chat_logprobs(token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None, num_top: int,
+                  tokenizer: Tokenizer) -> dict[str, Any] | None:
+    """The chat shape: one entry per token with exactly `num_top` alternatives, most likely first (the sampled token
+    is listed among them only when it is one of them), and each token's own bytes."""
     if logprobs is None:
         return None
     content = []
     for token, candidates in zip(token_ids, logprobs):
-        chosen = candidates[token]
-        alternatives = sorted(candidates.values(), key=lambda c: c.rank)
-        content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
-                        "bytes": list(chosen.decoded_token.encode()),
-                        "top_logprobs": [{"token": c.decoded_token, "logprob": c.logprob,
-                                          "bytes": list(c.decoded_token.encode())} for c in alternatives]})
+        top = sorted((item for item in candidates.items() if item[1].rank <= num_top), key=lambda item: item[1].rank)
+        content.append({**_chat_entry(token, candidates[token], tokenizer),
+                        "top_logprobs": [_chat_entry(tid, candidate, tokenizer) for tid, candidate in top]})
     return {"content": content}
+
+
+def _chat_entry(token_id: int, candidate: Logprob, tokenizer: Tokenizer) -> dict[str, Any]:
+    return {"token": candidate.decoded_token, "logprob": candidate.logprob,
+            "bytes": list(tokenizer.token_bytes(token_id))}
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:

@@ -25,6 +25,7 @@ from jaxserve.server.app import ServerContext, check_model, request_bytes, serve
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.request_fields import check_limits, conversation_prompt, flag, include_usage
 from jaxserve.server.streams import final_outputs, merged_events
+from jaxserve.tokenizer import Tokenizer
 
 blueprint = Blueprint("chat", __name__)
 
@@ -53,7 +54,7 @@ async def create_chat_completion() -> Response:
                                        None, None) for index in range(request.params.n)]
         return await streamed_response(_chat_chunks(context, request, chunk_id, created, model), roles)
     [output] = await final_outputs(context, [request.prompt], request.params)
-    return jsonify(chat_completion_body(output, model))
+    return jsonify(chat_completion_body(output, model, request.params.logprobs or 0, context.tokenizer))
 
 
 def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
@@ -81,14 +82,15 @@ async def _chat_chunks(context: ServerContext, request: ChatRequest, chunk_id: s
             if isinstance(event, RequestOutput):
                 finished.append(event)
             elif event.text or event.finish_reason or event.logprobs:
-                yield _delta_chunk(chunk_id, created, model, event)
+                yield _delta_chunk(chunk_id, created, model, event, request.params.logprobs or 0, context.tokenizer)
     if request.include_usage:
         yield usage_chunk(chunk_id, created, model, "chat.completion.chunk", usage(finished))
 
 
-def _delta_chunk(chunk_id: str, created: int, model: str, delta: CompletionDelta) -> dict[str, Any]:
+def _delta_chunk(chunk_id: str, created: int, model: str, delta: CompletionDelta, num_top: int,
+                 tokenizer: Tokenizer) -> dict[str, Any]:
     # A last event with nothing new but the finish reason carries an empty delta, as OpenAI's does.
     content = {"content": delta.text} if delta.text else {}
     return chat_completion_chunk(chunk_id, created, model, delta.index, content,
-                                 chat_logprobs(delta.token_ids, delta.logprobs), delta.finish_reason,
-                                 delta.stop_reason)
+                                 chat_logprobs(delta.token_ids, delta.logprobs, num_top, tokenizer),
+                                 delta.finish_reason, delta.stop_reason)

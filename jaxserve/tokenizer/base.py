@@ -66,6 +66,11 @@ class Tokenizer(abc.ABC):
         """Text of `ids`. Ids outside the vocabulary produce no text, as in HF `tokenizers`."""
 
     @abc.abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for: part of a UTF-8 character stays that part; a special or added token is
+        its text; an id outside the vocabulary is empty."""
+
+    @abc.abstractmethod
     def token_to_id(self, token: str) -> int | None:
         """Id of the vocabulary entry spelled exactly `token`, or None."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from jaxserve.errors import TokenizerError
 from jaxserve.tokenizer.base import SpecialTokens, Tokenizer
 from jaxserve.tokenizer.chat_template import ChatTemplate
 from jaxserve.tokenizer.settings import TokenizerSettings
+from jaxserve.tokenizer.token_bytes import byte_level_bytes, metaspace_bytes
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -32,6 +34,8 @@ class HuggingFaceTokenizer(Tokenizer):
             token_id for token_id, token in self._backend.get_added_tokens_decoder().items() if token.special
         )
         super().__init__(special, self._post_processor_adds(special.bos_token_id), chat_template)
+        self._added_ids = frozenset(self._backend.get_added_tokens_decoder())  # spelled as their text
+        self._byte_level = _decodes_byte_level(self._backend)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; added-token spellings in `text` (e.g. "<|eot_id|>") become those tokens."""
@@ -40,6 +44,16 @@ class HuggingFaceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`, without transformers' `clean_up_tokenization_spaces` (transformers 5 skips it for BPE)."""
         return self._backend.decode(self._ids_in_vocabulary(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """From the spelling: byte-level vocabularies map each character to a byte, the others (sentencepiece
+        converted) spell a space as "▁" and a lone byte as "<0xNN>"."""
+        spelling = self.id_to_token(token_id)
+        if spelling is None:
+            return b""
+        if token_id in self._added_ids:
+            return spelling.encode()
+        return byte_level_bytes(spelling) if self._byte_level else metaspace_bytes(spelling)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of the vocabulary entry or added token spelled `token`."""
@@ -64,6 +78,13 @@ class HuggingFaceTokenizer(Tokenizer):
         if token_id is None:
             return False
         return self._backend.encode("", add_special_tokens=True).ids[:1] == [token_id]
+
+
+def _decodes_byte_level(backend: tokenizers.Tokenizer) -> bool:
+    """Whether the file's decoder (or one of a sequence of them) is ByteLevel."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(part.get("type") == "ByteLevel" for part in parts)
 
 
 def _load_backend(tokenizer_file: Path) -> tokenizers.Tokenizer:

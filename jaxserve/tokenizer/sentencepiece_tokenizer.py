@@ -12,6 +12,7 @@ from jaxserve.errors import TokenizerError
 from jaxserve.tokenizer.base import Tokenizer
 from jaxserve.tokenizer.chat_template import ChatTemplate
 from jaxserve.tokenizer.settings import TokenizerSettings
+from jaxserve.tokenizer.token_bytes import metaspace_bytes
 
 WORD_BOUNDARY = "\u2581"  # "▁", the piece prefix sentencepiece uses for a space
 
@@ -47,6 +48,13 @@ class SentencePieceTokenizer(Tokenizer):
         if skip_special_tokens:
             return self._processor.decode([i for i in ids if i not in self._special_ids])
         return self._decode_with_special_pieces(ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """From the piece: "▁" stands for a space, "<0xNN>" for one byte; control pieces ("<s>") are their text."""
+        piece = self.id_to_token(token_id)
+        if piece is None:
+            return b""
+        return piece.encode() if token_id in self._special_ids else metaspace_bytes(piece)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of the piece `token`; sentencepiece answers the unknown id for strangers, so check the round trip."""

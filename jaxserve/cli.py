@@ -22,7 +22,9 @@ DEMO_PROMPT = "The capital of France is"
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, which lists its flags, rather than the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.handler(args)
     except JaxserveError as e:
@@ -31,18 +33,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference on JAX/XLA.")
+    # No abbreviations: a misspelt flag (--max-num-seq) must be an error, not silently another flag.
+    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference on JAX/XLA.", allow_abbrev=False)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="serve the OpenAI API over HTTP")
+    serve = commands.add_parser("serve", help="serve the OpenAI API over HTTP", allow_abbrev=False)
     serve.add_argument("model_path", nargs="?", metavar="MODEL",
                        help="HF or converted folder (default: the built-in tiny random model)")
     _add_engine_flags(serve)
     _add_server_flags(serve)
     _add_process_group_flags(serve)
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=_serve, parser=serve)
 
-    generate = commands.add_parser("generate", help="generate text offline and print it")
+    generate = commands.add_parser("generate", help="generate text offline and print it", allow_abbrev=False)
     _add_engine_flags(generate)
     generate.add_argument("--prompt", action="append", help="a prompt (repeat for several); default: a demo prompt")
     generate.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
@@ -53,21 +56,23 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--request-seed", type=int, default=None, help="seed of every request's sampling")
     generate.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the generation here")
     _add_process_group_flags(generate)
-    generate.set_defaults(handler=_generate)
+    generate.set_defaults(handler=_generate, parser=generate)
 
-    batch = commands.add_parser("run-batch", help="run an OpenAI batch-style JSONL file of requests")
+    batch = commands.add_parser("run-batch", help="run an OpenAI batch-style JSONL file of requests",
+                                   allow_abbrev=False)
     _add_engine_flags(batch)
     batch.add_argument("-i", "--input-file", type=Path, required=True, help="JSONL: one request per line")
     batch.add_argument("-o", "--output-file", type=Path, required=True, help="JSONL: one result per line")
     batch.add_argument("--served-model-name", help="model name written into the results (default: the folder)")
     batch.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the run here")
     _add_process_group_flags(batch)
-    batch.set_defaults(handler=_run_batch)
+    batch.set_defaults(handler=_run_batch, parser=batch)
 
-    convert = commands.add_parser("convert", help="convert an HF safetensors folder into an Orbax checkpoint")
+    convert = commands.add_parser("convert", help="convert an HF safetensors folder into an Orbax checkpoint",
+                                     allow_abbrev=False)
     convert.add_argument("hf_dir", type=Path)
     convert.add_argument("out_dir", type=Path)
-    convert.set_defaults(handler=_convert)
+    convert.set_defaults(handler=_convert, parser=convert)
     return parser
 
 
@@ -85,18 +90,19 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every route but /health, /version and "
                         "/metrics (default: $JAXSERVE_API_KEY)")
     parser.add_argument("--metrics-need-key", action="store_true", help="/metrics asks for the API key too")
-    parser.add_argument("--served-model-name", help="the model id clients use (default: the folder's name)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the model ids clients may use; answers carry the first (default: the folder's name)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
-                        help="requests queued beyond the running batch; more are answered 503 at once")
+                        help="requests queued beyond the running batch; more are answered 503 at once (default: 256)")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                         help="larger request bodies are refused with 413 (default: 8 MiB)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests may take to finish after SIGTERM")
+                        help="seconds in-flight requests may take to finish after SIGTERM (default: 30)")
     parser.add_argument("--profile-dir", type=Path, help="enables /start_profile and /stop_profile, traces go here")
     parser.add_argument("--allow-unknown-fields", action="store_true",
                         help="drop request fields this server does not declare instead of answering 400 (for "
@@ -115,7 +121,7 @@ def _add_process_group_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-id", type=int, default=_int_env("JAXSERVE_PROCESS_ID"),
                         help="this process's rank; 0 serves HTTP and schedules (default: $JAXSERVE_PROCESS_ID)")
     parser.add_argument("--heartbeat-timeout", type=int, default=10,
-                        help="seconds a silent process may take before the whole group ends")
+                        help="seconds a silent process may take before the whole group ends (default: 10)")
 
 
 def _int_env(name: str) -> int | None:
@@ -173,7 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = _engine_config(args)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
-        served_model_name=args.served_model_name or _model_name(engine_config.model),
+        served_model_names=tuple(args.served_model_name or [_model_name(engine_config.model)]),
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         profile_dir=args.profile_dir, allow_unknown_fields=args.allow_unknown_fields,

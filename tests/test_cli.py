@@ -64,6 +64,13 @@ def test_flags_override_the_preset():
     assert config.max_num_seqs == 3 and config.dtype == "float32" and config.model is None
 
 
+def test_an_unknown_flag_gets_the_subcommands_usage():
+    result = _jaxserve("serve", "--max-num-seq", "3")
+    assert result.returncode == 2
+    assert "jaxserve serve: error: unrecognized arguments: --max-num-seq" in result.stderr
+    assert "--max-num-seqs" in result.stderr  # the usage lists the flag meant
+
+
 @pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.yaml")), ids=lambda path: path.name)
 def test_every_preset_loads(preset):
     config = load_config(preset, {})

@@ -186,6 +186,26 @@ def test_openapi_lists_every_route_of_the_app(tiny_llm):
     assert body["properties"]["tools"]["x-jaxserve-refused"]
 
 
+def test_several_served_names_are_listed_and_accepted(tiny_llm):
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import ServerContext, create_app
+    from jaxserve.server.config import ServerConfig
+
+    context = ServerContext(engine=AsyncEngine(tiny_llm.engine), tokenizer=tiny_llm.tokenizer,
+                            config=ServerConfig(served_model_names=("llama", "llama-8b")),
+                            max_model_len=tiny_llm.max_model_len, vocab_size=tiny_llm.model.config.vocab_size)
+
+    async def fetch():
+        client = create_app(context).test_client()
+        listed = await (await client.get("/v1/models")).get_json()
+        one, other = await client.get("/v1/models/llama-8b"), await client.get("/v1/models/gpt-9")
+        return listed, await one.get_json(), other.status_code
+
+    listed, one, other = asyncio.run(fetch())
+    assert [card["id"] for card in listed["data"]] == ["llama", "llama-8b"]
+    assert one["id"] == "llama-8b" and other == 404
+
+
 def test_openapi_is_served(server):
     document = httpx.get(server.base_url + "/openapi.json", timeout=CLIENT_TIMEOUT_S).json()
     assert "post" in document["paths"]["/v1/completions"] and "get" in document["paths"]["/metrics"]

@@ -77,12 +77,17 @@ class ModelPlan:
 
     def weight_bytes_per_device(self) -> int:
         """Bytes of the weight shards each device will hold (the largest share, where they differ)."""
-        shard_bytes = collections.Counter()
-        for spec in jax.tree.leaves(self.abstract_params):
-            for device, index in spec.sharding.devices_indices_map(spec.shape).items():
-                shard_bytes[device] += math.prod(len(range(*s.indices(n))) for s, n in zip(index, spec.shape)) * (
-                    spec.dtype.itemsize)
-        return max(shard_bytes.values(), default=0)
+        return weight_bytes_per_device(self.abstract_params)
+
+
+def weight_bytes_per_device(params: nnx.State) -> int:
+    """Bytes of the shards of `params` (arrays or their abstract specs) on the most loaded device."""
+    shard_bytes = collections.Counter()
+    for spec in jax.tree.leaves(params):
+        for device, index in spec.sharding.devices_indices_map(spec.shape).items():
+            shard_bytes[device] += math.prod(len(range(*s.indices(n))) for s, n in zip(index, spec.shape)) * (
+                spec.dtype.itemsize)
+    return max(shard_bytes.values(), default=0)
 
 
 def load_model(model_dir: Path | None, dtype: str = "auto", progress: bool = True,

@@ -16,9 +16,10 @@ import time
 import jax
 
 from jaxserve.checkpoint import LoadedModel, ModelPlan
+from jaxserve.checkpoint.loading import weight_bytes_per_device
 from jaxserve.config import EngineConfig
 from jaxserve.device_memory import allocator_fraction
-from jaxserve.engine.kv_sizing import device_memory_stats, resolve_num_pages
+from jaxserve.engine.kv_sizing import bytes_per_page, device_memory_stats, resolve_num_pages
 from jaxserve.parallel.process_group import smallest_across_processes
 from jaxserve.runner.model_runner import ModelRunner
 
@@ -63,7 +64,24 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig,
     log.info("ready in %.1f s: %d step programs (lowered in %.1f s, compiled in %.1f s), weights read in %.1f s",
              startup.ready_seconds, startup.programs, startup.lower_seconds, startup.compile_seconds,
              startup.load_seconds)
+    log.info("%s", serving_summary(model, config))
     return runner, config, startup
+
+
+def serving_summary(model: LoadedModel | ModelPlan, config: EngineConfig) -> str:
+    """One line of what runs: model, dtype, devices, step limits, weight and KV cache bytes per device."""
+    devices = model.mesh.devices.flatten() if model.mesh is not None else jax.local_devices()[:1]
+    weights = weight_bytes_per_device(model.abstract_params if isinstance(model, ModelPlan) else model.params)
+    pool = config.require("num_kv_pages") - 1  # the null page holds nothing
+    per_page = bytes_per_page(model.config, config.block_size, model.dtype, len(devices))
+    return (f"serving {model.model_dir.name} ({model.source}) in {jax.numpy.dtype(model.dtype).name} on "
+            f"{len(devices)} x {devices[0].device_kind}; max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+            f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}; weights {_size(weights)} per "
+            f"device; KV cache {pool} pages = {pool * config.block_size} tokens ({_size(pool * per_page)} per device)")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _timed_load(plan: ModelPlan) -> tuple[LoadedModel, float]:

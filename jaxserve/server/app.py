@@ -98,10 +98,11 @@ async def request_bytes() -> bytes:
 
 
 def check_model(model: str | None, context: ServerContext) -> None:
-    """Requests must name the served model (or leave it out, as some clients do); another name is a 404."""
-    if model is not None and model != context.config.served_model_name:
+    """Requests must name a served model (or leave it out, as some clients do); another name is a 404."""
+    names = context.config.served_model_names
+    if model is not None and model not in names:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{context.config.served_model_name!r}", param="model", kind="not_found_error")
+                            f"{', '.join(map(repr, names))}", param="model", kind="not_found_error")
 
 
 async def _check_api_key() -> None:

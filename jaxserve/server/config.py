@@ -15,7 +15,8 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise: an open port is the operator's decision
     port: int = 8000  # TCP port; 0 picks a free one (tests)
     api_key: str | None = None  # required as `Authorization: Bearer KEY` on every route but /health, /version, /metrics
-    served_model_name: str = "jaxserve-builtin"  # the id /v1/models lists and requests must name
+    served_model_names: tuple[str, ...] = ("jaxserve-builtin",)  # ids /v1/models lists and requests may name;
+    # answers carry the first
     max_waiting_requests: int = 256  # requests queued beyond the running batch; more are answered 503 at once
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_n: int = 16  # most continuations per prompt
@@ -26,6 +27,11 @@ class ServerConfig:
     metrics_need_key: bool = False  # /metrics asks for the API key too (it stays open by default, for scrapers)
     allow_unknown_fields: bool = False  # drop request fields no one declared instead of answering 400
 
+    @property
+    def served_model_name(self) -> str:
+        """The name answers carry (vLLM's first --served-model-name)."""
+        return self.served_model_names[0]
+
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
@@ -33,6 +39,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "max_waiting_requests" else 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ConfigError("served_model_names must hold at least one non-empty name")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty")
         if not self.drain_timeout_s >= 0:

@@ -48,21 +48,22 @@ async def version() -> Response:
 @blueprint.get("/v1/models")
 @declares(RouteSchema(response=ModelList))
 async def list_models() -> Response:
-    """The served model."""
-    return jsonify({"object": "list", "data": [_model_card(server_context())]})
+    """The served model, under each of its names."""
+    context = server_context()
+    return jsonify({"object": "list", "data": [_model_card(context, name) for name in context.config.served_model_names]})
 
 
 @blueprint.get("/v1/models/<path:model_id>")
 @declares(RouteSchema(response=ModelCard))
 async def retrieve_model(model_id: str) -> Response:
-    """One model by its id (the served model's, else 404)."""
+    """One model by its id (one of the served model's names, else 404)."""
     context = server_context()
     check_model(model_id, context)
-    return jsonify(_model_card(context))
+    return jsonify(_model_card(context, model_id))
 
 
-def _model_card(context: ServerContext) -> dict[str, Any]:
-    return {"id": context.config.served_model_name, "object": "model", "created": context.created,
+def _model_card(context: ServerContext, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": context.created,
             "owned_by": "jaxserve", "max_model_len": context.max_model_len}
 
 

@@ -172,6 +172,8 @@ def _serve(args: argparse.Namespace) -> int:
     from jaxserve.server.serve import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # JAX probes for a TPU on every start and logs the failure at INFO: noise on every GPU and CPU host.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     if args.model_path is not None:
         if args.model is not None and args.model != args.model_path:
             raise JaxserveError(f"two models given: {args.model_path} and --model {args.model}")

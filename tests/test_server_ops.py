@@ -209,6 +209,8 @@ def test_several_served_names_are_listed_and_accepted(tiny_llm):
 def test_openapi_is_served(server):
     document = httpx.get(server.base_url + "/openapi.json", timeout=CLIENT_TIMEOUT_S).json()
     assert "post" in document["paths"]["/v1/completions"] and "get" in document["paths"]["/metrics"]
+    # The start-up log says what runs, without JAX's TPU probe.
+    assert "serving builtin (builtin) in float32" in server.log() and "libtpu" not in server.log()
 
 
 # --- the event loop stays free ---------------------------------------------------------------------------------

@@ -8,12 +8,13 @@ import dataclasses
 import functools
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from quart import Quart, current_app, request
 
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.prompt_checks import check_text_bytes
 from jaxserve.server.admission import Admission, releasing_admissions
 from jaxserve.server.api_errors import ApiError, register_error_handlers
 from jaxserve.server.config import ServerConfig
@@ -48,10 +49,11 @@ class ServerContext:
         self.admission = Admission(engine.engine.config.max_num_seqs + self.config.max_waiting_requests)
         self.workers = concurrent.futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="jaxserve-request")
 
-    @property
-    def max_text_bytes(self) -> int:
-        """Prompt text beyond this many bytes cannot fit max_model_len tokens (refused without tokenizing)."""
-        return self.max_model_len * self.tokenizer.longest_token_bytes
+    def check_text_fits(self, texts: Iterable[str], param: str) -> None:
+        """Refuses, without tokenizing, prompt text too long for max_model_len tokens (check_text_bytes)."""
+        check_text_bytes(sum(len(text.encode("utf-8", "surrogatepass")) for text in texts),
+                         longest_token_bytes=self.tokenizer.longest_token_bytes, max_model_len=self.max_model_len,
+                         param=param)
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` on a worker thread: what takes milliseconds or more stays off the event loop."""

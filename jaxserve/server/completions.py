@@ -11,7 +11,7 @@ from typing import Any
 
 from quart import Blueprint, Response, jsonify
 
-from jaxserve.engine.prompt_checks import check_prompt_tokens, check_room_to_generate, check_text_bytes
+from jaxserve.engine.prompt_checks import check_prompt_tokens, check_room_to_generate
 from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk,
                                               completion_logprobs, sampling_params_from_body, usage, usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, completion_prompts, is_prompt_list
@@ -83,9 +83,7 @@ def parse_completion_request(raw: bytes, context: ServerContext) -> CompletionRe
 def _prompts(prompt: Any, context: ServerContext, add_special_tokens: bool) -> list[TokenizedPrompt]:
     for text in (prompt if is_prompt_list(prompt) else [prompt]):
         if isinstance(text, str):
-            check_text_bytes(len(text.encode("utf-8", "surrogatepass")),
-                             longest_token_bytes=context.tokenizer.longest_token_bytes,
-                             max_model_len=context.max_model_len)
+            context.check_text_fits([text], "prompt")
     tokenized = completion_prompts(prompt, context.tokenizer, add_special_tokens)
     for p in tokenized:
         check_prompt_tokens(p.token_ids, vocab_size=context.vocab_size, max_model_len=context.max_model_len)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.engine.prompt_checks import check_prompt_tokens, check_text_bytes
+from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.api_errors import ApiError
@@ -46,10 +46,7 @@ def check_limits(params: SamplingParams, num_prompts: int, config: ServerConfig)
 def conversation_prompt(messages: list[dict[str, Any]], context: ServerContext,
                         add_generation_prompt: bool) -> TokenizedPrompt:
     """A checked conversation rendered by the chat template and tokenized; text too long to fit is refused first."""
-    text_bytes = sum(len(part.encode("utf-8", "surrogatepass")) for message in messages
-                     for part in _texts(message))
-    check_text_bytes(text_bytes, longest_token_bytes=context.tokenizer.longest_token_bytes,
-                     max_model_len=context.max_model_len, param="messages")
+    context.check_text_fits((part for message in messages for part in _texts(message)), "messages")
     prompt = chat_prompt(context.tokenizer, messages, add_generation_prompt=add_generation_prompt)
     check_prompt_tokens(prompt.token_ids, vocab_size=context.vocab_size, max_model_len=context.max_model_len,
                         param="messages")

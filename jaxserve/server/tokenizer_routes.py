@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from quart import Blueprint, Response, jsonify
 
-from jaxserve.engine.prompt_checks import check_text_bytes, check_token_ids
+from jaxserve.engine.prompt_checks import check_token_ids
 from jaxserve.entrypoints.prompts import encode_text
 from jaxserve.entrypoints.protocol import (DetokenizeBody, TokenizeChatBody, TokenizeCompletionBody, parse_body,
                                            parse_json_object)
@@ -62,8 +62,7 @@ def _tokens_of(raw: bytes, context: ServerContext) -> list[int]:
                                         flag(fields, "add_generation_prompt", default=True)).token_ids)
     body = parse_body(TokenizeCompletionBody, value, context.config.allow_unknown_fields, context.max_model_len)
     check_model(body.model, context)
-    check_text_bytes(len(body.prompt.encode("utf-8", "surrogatepass")),
-                     longest_token_bytes=context.tokenizer.longest_token_bytes, max_model_len=context.max_model_len)
+    context.check_text_fits([body.prompt], "prompt")
     return encode_text(context.tokenizer, body.prompt, body.add_special_tokens is not False)
 
 

@@ -28,7 +28,7 @@ TP_SIZES = (1, 2, 4, 8)
 PALLAS_TP_SIZES = (2, 8)
 # 8 query heads so every size divides them; 2 KV heads so sizes 4 and 8 repeat KV heads at load time.
 MODEL = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)
-# Small buckets (9 programs) keep four engines' start-up compiles within the test's budget.
+# Small buckets (7 programs) keep four engines' start-up compiles within the test's budget.
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, block_size=8,
               num_kv_pages=24, use_tqdm_on_load=False)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -17,8 +18,8 @@ import padding_waste  # noqa: E402
 
 def test_gpu_limits_compile_few_programs():
     assert len(BucketSet.for_limits(max_num_batched_tokens=8192, max_num_seqs=64).all_buckets()) <= 64
-    assert len(BucketSet.for_limits(max_num_batched_tokens=8192, max_num_seqs=256).all_buckets()) <= 40
-    assert len(BucketSet.for_limits(max_num_batched_tokens=64, max_num_seqs=4).all_buckets()) <= 10
+    assert len(BucketSet.for_limits(max_num_batched_tokens=8192, max_num_seqs=256).all_buckets()) <= 64
+    assert len(BucketSet.for_limits(max_num_batched_tokens=64, max_num_seqs=4).all_buckets()) <= 16
 
 
 def test_mixed_token_sizes_add_midpoints_where_tokens_cost_most():
@@ -39,9 +40,11 @@ def test_every_batch_fits_a_compiled_bucket(max_tokens, max_seqs):
     compiled = set(buckets.all_buckets())
     for tokens in range(1, max_tokens + 1, max(1, max_tokens // 300)):
         for seqs in range(1, min(tokens, max_seqs) + 1):
-            for prompt_logits in (False, True):
-                bucket = buckets.select(tokens, seqs, prompt_logits)
+            for prompt_logits, penalties in itertools.product((False, True), (False, True)):
+                bucket = buckets.select(tokens, seqs, prompt_logits, penalties)
                 assert bucket in compiled and bucket.prompt_logits == prompt_logits
+                # Context-long token histories are shipped only where a row needs them (or a prompt is scored).
+                assert bucket.penalties == (penalties or prompt_logits)
                 assert bucket.num_tokens >= tokens and bucket.num_seqs >= seqs
 
 
@@ -52,7 +55,8 @@ def test_decode_batches_take_decode_buckets_and_prefill_the_mixed_ones():
     assert buckets.select(300, 33) == StepBucket(512, 64)
     assert buckets.select(5000, 10) == StepBucket(6144, 64)
     assert buckets.select(5, 2) == StepBucket(MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET)
-    assert buckets.select(5, 5, prompt_logits=True) == StepBucket(16, 16, prompt_logits=True)
+    assert buckets.select(5, 5, prompt_logits=True) == StepBucket(16, 16, prompt_logits=True, penalties=True)
+    assert buckets.select(33, 33, penalties=True) == StepBucket(40, 40, penalties=True)
 
 
 def test_the_padding_benchmark_compares_both_grids(tmp_path):

@@ -10,10 +10,12 @@ and the attention's rows to max_num_seqs only):
     to FINE_TOKENS_FROM, then also the midpoints (1536, 3072, 6144, ...: padding at most a third rather than a
     half, where a step's tokens cost the most), up to max_num_batched_tokens; each with S = min(T, max_num_seqs)
     rows, enough for any batch of T tokens. Their T tokens dominate the step, so padding rows costs little there.
-One program serves every sampling mix of a bucket (penalties and truncation are masked no-ops where unused).
-Steps that score prompt tokens (prompt_logprobs, evaluation traffic) have their own variant once per token count.
-At 64 sequences and 8192 tokens that is 34 programs (11 decode, 13 mixed of which 3 coincide with decode buckets,
-13 scoring); the full product with four sampler variants was 276. `benchmarks/padding_waste.py` measures what
+The sampler's truncation (top-k/top-p/min-p) is a masked no-op where unused, so it costs no variant. Penalties do:
+they read each row's whole token history, an [S, max_model_len] array sent every step (at 256 rows and a 128k
+context, 160 MB), so every shape has a variant with that history and one whose history is one column wide.
+Steps that score prompt tokens (prompt_logprobs, evaluation traffic) have their own variant once per token count,
+with penalties. At 64 sequences and 8192 tokens that is 55 programs (21 shapes: 11 decode and 13 mixed, of which 3
+coincide, twice each, and 13 scoring); 63 at 256 sequences; the full product with four sampler variants was 276. `benchmarks/padding_waste.py` measures what
 the grid costs in padding.
 """
 
@@ -32,6 +34,7 @@ class StepBucket:
     num_tokens: int  # T: flattened query tokens of the step (decode tokens and prefill chunks)
     num_seqs: int  # S: sequence rows (block tables, sampling rows)
     prompt_logits: bool = False  # every token's next-token log-probabilities are scored too (prompt_logprobs)
+    penalties: bool = False  # rows carry their token histories (a row uses a repetition/frequency/presence penalty)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,20 +58,24 @@ class BucketSet:
     def all_buckets(self) -> list[StepBucket]:
         """Every shape the runner may be asked to run; warm-up compiles each (distinct: a mixed bucket of few
         tokens can coincide with a decode bucket)."""
-        decode = [StepBucket(s, s) for s in self.decode_sizes]
-        mixed = [self._mixed(t) for t in self.token_sizes]
+        shapes = [StepBucket(s, s) for s in self.decode_sizes] + [self._mixed(t) for t in self.token_sizes]
+        plain = [dataclasses.replace(b, penalties=penalties) for penalties in (False, True) for b in shapes]
         scoring = [self._mixed(t, prompt_logits=True) for t in self.token_sizes]
-        return list(dict.fromkeys(decode + mixed + scoring))
+        return list(dict.fromkeys(plain + scoring))
 
-    def select(self, num_tokens: int, num_seqs: int, prompt_logits: bool = False) -> StepBucket:
+    def select(self, num_tokens: int, num_seqs: int, prompt_logits: bool = False,
+               penalties: bool = False) -> StepBucket:
         """The smallest bucket holding a batch of this size: a decode bucket when every sequence brings one token
-        (and no prompt is scored), else the mixed (or scoring) bucket of its token count."""
+        (and no prompt is scored), else the mixed (or scoring) bucket of its token count; with token histories
+        when a row uses a penalty (scoring buckets always carry them)."""
         if num_tokens == num_seqs and not prompt_logits:
-            return StepBucket(*(2 * (next(s for s in self.decode_sizes if s >= num_seqs),)))
-        return self._mixed(next(t for t in self.token_sizes if t >= num_tokens), prompt_logits)
+            size = next(s for s in self.decode_sizes if s >= num_seqs)
+            return StepBucket(size, size, penalties=penalties)
+        return dataclasses.replace(self._mixed(next(t for t in self.token_sizes if t >= num_tokens), prompt_logits),
+                                   penalties=penalties or prompt_logits)
 
     def _mixed(self, num_tokens: int, prompt_logits: bool = False) -> StepBucket:
-        return StepBucket(num_tokens, min(num_tokens, self.max_num_seqs), prompt_logits)
+        return StepBucket(num_tokens, min(num_tokens, self.max_num_seqs), prompt_logits, penalties=prompt_logits)
 
 
 def decode_sizes(max_num_seqs: int) -> tuple[int, ...]:

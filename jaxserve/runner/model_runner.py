@@ -43,7 +43,7 @@ from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
-from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors
+from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors, uses_penalties
 from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_step
 from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput
 
@@ -161,7 +161,7 @@ class ModelRunner:
         (layers index the whole pool; no layer's pages are ever copied), so it is measured before the real pool
         exists, and the pool is sized to what is left.
         """
-        largest = self.buckets.select(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        largest = self.buckets.select(self.config.max_num_batched_tokens, self.config.max_num_seqs, penalties=True)
         with self.guard.watch():
             analysis = self._lower(largest, num_pages).compile().memory_analysis()
         return int(analysis.temp_size_in_bytes) if analysis is not None else 0
@@ -224,7 +224,8 @@ class ModelRunner:
         """The bucket of this batch and its padded inputs as host arrays (pure numpy: the host's share of a step)."""
         chunks = schedule.sequences
         bucket = self.buckets.select(sum(c.num_tokens for c in chunks), len(chunks),
-                                     prompt_logits=any(c.wants_prompt_logits for c in chunks))
+                                     prompt_logits=any(c.wants_prompt_logits for c in chunks),
+                                     penalties=any(uses_penalties(c.sampling.params) for c in chunks))
         return bucket, self._step_arrays(chunks, bucket)
 
     def replace_lost_pool(self) -> None:
@@ -325,7 +326,7 @@ class ModelRunner:
     def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket):
         return build_sampling_tensors(
             [c.sampling for c in chunks], bucket.num_seqs, bias_width=self.config.max_logit_bias,
-            stop_width=self.config.max_stop_ids, history_width=self._history_width)
+            stop_width=self.config.max_stop_ids, history_width=self._history_width if bucket.penalties else 1)
 
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""

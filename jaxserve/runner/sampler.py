@@ -6,11 +6,11 @@ one compiled program serves any mix of requests. The rules and their order are t
 logit_bias; repetition, frequency and presence penalties; argmax for greedy rows; otherwise temperature, min_p,
 top-k, top-p and one draw.
 
-One program serves every mix: penalties and truncation (top-k/top-p/min-p) always run, as masked no-ops on rows
-that do not use them (repetition 1, frequency and presence 0; top_k 0, top_p 1, min_p 0), which leave a row's
-token exactly as if they were absent. That costs every step a sort of each row and the scatter of a fixed-width
-token history, in exchange for one compiled program per bucket instead of four; the host fills a row's history only
-where the row uses a penalty.
+Penalties and truncation (top-k/top-p/min-p) always run, as masked no-ops on rows that do not use them (repetition
+1, frequency and presence 0; top_k 0, top_p 1, min_p 0), which leave a row's token exactly as if they were absent.
+Truncation costs a sort of each row; penalties scatter a token history of static width, which the runner makes one
+column wide (all padding) for batches where no row uses a penalty, so that only those batches send histories as
+long as the context. The host fills a row's history only where the row uses a penalty.
 """
 
 from __future__ import annotations
@@ -215,7 +215,8 @@ def uses_truncation(params: SamplingParams) -> bool:
 
 
 def _penalty_tensors(rows: Sequence[SamplingRow], num_rows: int, history_width: int | None) -> PenaltyTensors:
-    """A row without a penalty gets an empty history: its neutral settings ignore it, and the host skips the copy."""
+    """A row without a penalty gets an empty history: its neutral settings ignore it, and the host skips the copy.
+    `history_width` 1 suits a batch where no row uses a penalty."""
     penalised = [uses_penalties(r.params) for r in rows]
     histories = [list(r.prompt_ids) + list(r.output_ids) if p else [] for r, p in zip(rows, penalised)]
     from_output = [[False] * len(r.prompt_ids) + [True] * len(r.output_ids) if p else []

@@ -45,8 +45,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = Field(None, description="a last event with the request's usage")
-    continuous_usage_stats: bool | None = Field(None, description="refused unless null or false: usage in every "
-                                                "event is " + NOT_YET)
+    continuous_usage_stats: bool | None = _refused("usage in every event is " + NOT_YET, False)
 
 
 class TextPart(_Body):
@@ -233,9 +232,6 @@ def check_refused(body: BaseModel) -> None:
                     check_refused(nested)
                 except InvalidRequestError as error:
                     raise InvalidRequestError(str(error), param=name) from None
-    if isinstance(body, StreamOptions) and body.continuous_usage_stats:
-        raise InvalidRequestError("stream_options.continuous_usage_stats is not supported: " + NOT_YET,
-                                  param="stream_options")
 
 
 def _check_items(name: str, value: Any, max_items: int) -> None:

@@ -13,6 +13,55 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 
 
 @dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The allowed values of a numeric setting: what SamplingParams checks and what the API's schema declares."""
+
+    low: float  # smallest allowed value
+    high: float | None = None  # largest allowed value; None: no upper bound
+    low_open: bool = False  # `low` itself is not allowed
+    integer: bool = False  # integers only (else any finite number)
+    note: str = ""  # what some values mean, for messages
+
+    def holds(self, value) -> bool:
+        if not (_is_int(value) if self.integer else _is_number(value)):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (self.high is None or value <= self.high)
+
+    def spelled(self) -> str:
+        """As messages say it: `>= 1 (an integer)`, `in (0, 1] (a number)`."""
+        low = f"{self.low:g}"
+        if self.high is None:
+            interval = f"{'>' if self.low_open else '>='} {low}"
+        else:
+            interval = f"in {'(' if self.low_open else '['}{low}, {self.high:g}]"
+        return f"{interval} ({'an integer' if self.integer else 'a number'}{self.note})"
+
+    def json_schema(self) -> dict[str, float]:
+        """The same interval as JSON Schema keywords."""
+        keywords = {"exclusiveMinimum" if self.low_open else "minimum": self.low}
+        return keywords if self.high is None else {**keywords, "maximum": self.high}
+
+
+# Every numeric setting's interval, by field name (the API's schema takes them from here).
+BOUNDS = {
+    "n": Bounds(1, integer=True),
+    "max_tokens": Bounds(1, integer=True),
+    "min_tokens": Bounds(0, integer=True),
+    "temperature": Bounds(0),
+    "top_p": Bounds(0, 1, low_open=True),
+    "top_k": Bounds(-1, integer=True, note="; -1 or 0: disabled"),
+    "min_p": Bounds(0, 1),
+    "presence_penalty": Bounds(-2, 2),
+    "frequency_penalty": Bounds(-2, 2),
+    "repetition_penalty": Bounds(0, low_open=True),
+    "logprobs": Bounds(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Bounds(0, MAX_LOGPROBS, integer=True),
+}
+_OPTIONAL = {"logprobs", "prompt_logprobs"}  # None there means "not asked for"
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings of one request; validated on creation."""
 
@@ -46,35 +95,16 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be >= 1 (an integer), got {self.n!r}")
-        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
-                 f"min_tokens must be >= 0 (an integer), got {self.min_tokens!r}")
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-                 f"max_tokens must be >= 1 (an integer), got {self.max_tokens!r}")
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-                 f"temperature must be >= 0 (a number), got {self.temperature!r}")
-        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
-                 f"top_p must be in (0, 1] (a number), got {self.top_p!r}")
-        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
-                 f"top_k must be -1 or 0 (disabled) or >= 1 (an integer), got {self.top_k!r}")
-        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
-                 f"min_p must be in [0, 1] (a number), got {self.min_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name, bounds in BOUNDS.items():
             value = getattr(self, name)
-            _require(_is_number(value) and -2 <= value <= 2, name,
-                     f"{name} must be in [-2, 2] (a number), got {value!r}")
-        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-                 f"repetition_penalty must be > 0 (a number), got {self.repetition_penalty!r}")
+            if value is not None or name not in _OPTIONAL:
+                _require(bounds.holds(value), name, f"{name} must be {bounds.spelled()}, got {value!r}")
         _require(all(t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
                  "logit_bias maps token ids >= 0 to biases in [-100, 100]")
         _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "stop_token_ids must be non-negative integers")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                     f"{name} must be between 0 and {MAX_LOGPROBS} (an integer), got {value!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, f"{name} must be a boolean, got {value!r}")

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +77,25 @@ def _wait_until_ready(server: LiveServer) -> None:
                 return
         time.sleep(0.5)
     raise AssertionError(f"the server did not become healthy within {START_TIMEOUT_S} s:\n{server.log()[-4000:]}")
+
+
+
+@contextlib.contextmanager
+def completions_meanwhile(base_url: str, body: dict, headers: dict[str, str] | None = None) -> Iterator[list[dict]]:
+    """Sends `body` to /v1/completions again and again on a thread while the block runs, so that requests are in
+    flight during whatever the block sends; yields the list their answers (JSON) are appended to."""
+    answers: list[dict] = []
+    done = threading.Event()
+
+    def repeat() -> None:
+        with httpx.Client(base_url=base_url, headers=headers or {}, timeout=120) as client:
+            while not done.is_set():
+                answers.append(client.post("/v1/completions", json=body).json())
+
+    thread = threading.Thread(target=repeat, name="completions-meanwhile")
+    thread.start()
+    try:
+        yield answers
+    finally:
+        done.set()
+        thread.join()

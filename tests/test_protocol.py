@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from jaxserve.entrypoints.protocol import (NEUTRAL, REFUSED, ChatCompletionRequestBody, CompletionRequestBody,
-                                           parse_body)
+from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body, refusal_of
 from jaxserve.errors import InvalidRequestError
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
@@ -14,15 +13,14 @@ COMPLETION = {"prompt": "Hi"}
 
 
 def _refused_fields(model):
-    return [(name, field.json_schema_extra) for name, field in model.model_fields.items()
-            if REFUSED in (field.json_schema_extra or {})]
+    return [(name, refusal_of(field)) for name, field in model.model_fields.items() if refusal_of(field)]
 
 
 @pytest.mark.parametrize("model, base", [(CompletionRequestBody, COMPLETION), (ChatCompletionRequestBody, CHAT)],
                          ids=["completions", "chat"])
 def test_refused_fields_take_only_values_that_ask_for_nothing(model, base):
-    for name, extra in _refused_fields(model):
-        for neutral in [None, *extra[NEUTRAL]]:
+    for name, refusal in _refused_fields(model):
+        for neutral in [None, *refusal.neutral]:
             parse_body(model, json.dumps({**base, name: neutral}))
 
 

@@ -1,5 +1,5 @@
 """Bad requests against the live server: each gets its own status and OpenAI's error JSON (never HTML, never a
-500), the API key never shows in an answer, and the server keeps serving afterwards."""
+500), the API key never shows in an answer, and requests in flight meanwhile complete unchanged."""
 
 import gzip
 import json
@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import running_server
+from tests.live_server import completions_meanwhile, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -230,12 +230,17 @@ def test_chunked_body_over_the_limit_is_413(http):
     _assert_openai_error(response, 413, None)
 
 
-def test_server_still_serves_after_the_whole_table(server, http):
-    for _, method, path, body, status, _ in BAD_REQUESTS:
-        assert _send(http, method, path, body).status_code == status
+def test_requests_in_flight_complete_unchanged_through_the_whole_table(server, http):
+    greedy = _completion(max_tokens=12, temperature=0, ignore_eos=True)
+    solo = http.post(COMPLETIONS, json=greedy).json()
+    with completions_meanwhile(server.base_url, greedy, {"Authorization": f"Bearer {API_KEY}"}) as meanwhile:
+        for _, method, path, body, status, _ in BAD_REQUESTS:
+            assert _send(http, method, path, body).status_code == status
+        for _, headers, body, status in BAD_ENCODINGS:
+            assert http.post(COMPLETIONS, content=body, headers=headers).status_code == status
+        test_chunked_body_over_the_limit_is_413(http)
+    assert len(meanwhile) > 1 and all(answer["choices"] == solo["choices"] for answer in meanwhile)
     assert http.get("/health").status_code == 200
-    response = http.post(COMPLETIONS, json=_completion(max_tokens=4, temperature=0))
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     chat = http.post(CHAT, json=_chat(max_tokens=3, temperature=0))
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
     assert "Traceback" not in server.log()

@@ -8,6 +8,9 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.entrypoints.openai_body import completion_logprobs
+from jaxserve.entrypoints.protocol_responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+                                                     CompletionResponse, DetokenizeResponse, ErrorResponse, ModelCard,
+                                                     ModelList, TokenizeResponse)
 from jaxserve.outputs import Logprob
 from jaxserve.config import load_config
 from tests.live_server import TINY_CONFIG, running_server
@@ -281,3 +284,41 @@ def test_tokenizer_info_has_what_lm_eval_reads(server, oracle):
     assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
     assert info["chat_template"] == tokenizer.chat_template.source
     assert info["model_max_length"] == oracle.max_model_len and info["vocab_size"] == tokenizer.vocab_size
+
+
+# --- every answer as /openapi.json declares it ---------------------------------------------------------------------
+
+
+# (path, body, model of the JSON answer or of each streamed event)
+DECLARED_ANSWERS = [
+    ("/v1/completions", {"prompt": [PROMPT, "Hi"], "max_tokens": 3, "n": 2, "logprobs": 2, "echo": True},
+     CompletionResponse),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "stream": True,
+                         "stream_options": {"include_usage": True}}, CompletionChunk),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "n": 2, "logprobs": True, "top_logprobs": 2},
+     ChatCompletionResponse),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "stream": True,
+                              "stream_options": {"include_usage": True}}, ChatCompletionChunk),
+    ("/tokenize", {"prompt": PROMPT}, TokenizeResponse),
+    ("/tokenize", {"messages": CHAT}, TokenizeResponse),
+    ("/detokenize", {"tokens": [5, 6, 7]}, DetokenizeResponse),
+    ("/v1/models", None, ModelList),
+    (f"/v1/models/{MODEL}", None, ModelCard),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "n": 0}, ErrorResponse),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True, "logit_bias": {"100000": 1}},
+     ErrorResponse),
+]
+
+
+@pytest.mark.parametrize("path, body, model", DECLARED_ANSWERS, ids=[f"{p} {m.__name__}" for p, _, m in DECLARED_ANSWERS])
+def test_answers_are_the_declared_models(server, path, body, model):
+    """Exactly the declared fields (the models forbid others), streamed events one by one."""
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        response = http.get(path) if body is None else http.post(path, json=body)
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) > 2
+        for event in events[:-1]:
+            model.model_validate_json(event)
+    else:
+        model.model_validate_json(response.content)

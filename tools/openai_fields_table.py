@@ -10,18 +10,17 @@ import json
 
 from pydantic import BaseModel
 
-from jaxserve.entrypoints.protocol import (NEUTRAL, REFUSED, ChatCompletionRequestBody, ChatMessage,
-                                           CompletionRequestBody)
+from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, ChatMessage, CompletionRequestBody, refusal_of
 
 
 def field_status(model: type[BaseModel]) -> dict[str, str]:
     """Each field of `model` and what the server does with it."""
     status = {}
     for name, field in model.model_fields.items():
-        extra = field.json_schema_extra or {}
-        if REFUSED in extra:
-            allowed = ", ".join(["null", *(json.dumps(value) for value in extra[NEUTRAL])])
-            status[name] = f"refused unless {allowed}: {extra[REFUSED]}"
+        refusal = refusal_of(field)
+        if refusal is not None:
+            allowed = ", ".join(["null", *(json.dumps(value) for value in refusal.neutral)])
+            status[name] = f"refused unless {allowed}: {refusal.reason}"
         elif (field.description or "").startswith("accepted"):
             status[name] = field.description
         else:

@@ -13,24 +13,52 @@ is the README's table of every field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import BOUNDS
 
 REFUSED, NEUTRAL = "x-jaxserve-refused", "x-jaxserve-neutral"  # a refused field's schema keys
 NOT_YET = "not implemented yet"
 TOOLS_REASON = "tool calls and structured output are not implemented yet"
 
 
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a declared field is refused, and the values that ask for nothing (so they pass)."""
+
+    reason: str  # the 400's explanation
+    neutral: tuple[Any, ...]  # values besides null that are accepted and change nothing
+
+    def __call__(self, schema: dict[str, Any]) -> None:
+        """The field's JSON Schema says exactly what passes: null or a neutral value."""
+        description = schema.get("description")
+        schema.clear()
+        schema.update({"anyOf": [{"type": "null"}, *({"const": value} for value in self.neutral)], "default": None,
+                       "description": description, REFUSED: self.reason, NEUTRAL: list(self.neutral)})
+
+
 def _refused(reason: str, *neutral: Any, description: str = "") -> Any:
     """A declared field that the server does not implement: present with a value other than null or one of
     `neutral` (values that ask for nothing), it is a 400 giving `reason`."""
     return Field(default=None, description=f"refused unless {_spelled(neutral)}: {reason}. {description}".strip(),
-                 json_schema_extra={REFUSED: reason, NEUTRAL: list(neutral)})
+                 json_schema_extra=Refusal(reason, neutral))
+
+
+def refusal_of(field: FieldInfo) -> Refusal | None:
+    """The Refusal of a refused field; None for one the server honours."""
+    return field.json_schema_extra if isinstance(field.json_schema_extra, Refusal) else None
+
+
+def _bounded(name: str, description: str) -> Any:
+    """An optional numeric sampling field, its interval (checked by SamplingParams) declared in the schema."""
+    return Field(None, description=description, json_schema_extra=BOUNDS[name].json_schema())
 
 
 def _spelled(neutral: tuple[Any, ...]) -> str:
@@ -72,26 +100,26 @@ class _Sampling(_Body):
     """Fields both completions and chat take: how tokens are drawn and when generation stops."""
 
     model: str | None = Field(None, description="the served model's name (--served-model-name); may be left out")
-    frequency_penalty: float | None = Field(None, description="subtracted per occurrence of a generated token "
+    frequency_penalty: float | None = _bounded("frequency_penalty", "subtracted per occurrence of a generated token "
                                             "(-2 to 2)")
-    presence_penalty: float | None = Field(None, description="subtracted once per generated token (-2 to 2)")
+    presence_penalty: float | None = _bounded("presence_penalty", "subtracted once per generated token (-2 to 2)")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) → bias added to its logit")
-    max_tokens: int | None = Field(None, description="most tokens to generate")
-    n: int | None = Field(None, description="continuations per prompt")
+    max_tokens: int | None = _bounded("max_tokens", "most tokens to generate")
+    n: int | None = _bounded("n", "continuations per prompt")
     seed: int | None = Field(None, description="same seed, same tokens")
     stop: str | list[str] | None = Field(None, description="a string or a list of strings that end generation "
                                                 "(left out of the text)")
     stream: bool | None = Field(None, description="answer as server-sent events")
     stream_options: StreamOptions | None = Field(None, description="with stream only")
-    temperature: float | None = Field(None, description="0 decodes greedily")
-    top_p: float | None = Field(None, description="nucleus sampling, in (0, 1]")
+    temperature: float | None = _bounded("temperature", "0 decodes greedily")
+    top_p: float | None = _bounded("top_p", "nucleus sampling, in (0, 1]")
     user: str | None = Field(None, description="accepted: an end-user id, as OpenAI takes it; changes nothing")
     # vLLM's sampling extensions.
-    top_k: int | None = Field(None, description="keep the k likeliest tokens (0 or -1: all)")
-    min_p: float | None = Field(None, description="drop tokens less likely than min_p × the likeliest")
-    repetition_penalty: float | None = Field(None, description="divides the logits of seen tokens (1: none)")
+    top_k: int | None = _bounded("top_k", "keep the k likeliest tokens (0 or -1: all)")
+    min_p: float | None = _bounded("min_p", "drop tokens less likely than min_p × the likeliest")
+    repetition_penalty: float | None = _bounded("repetition_penalty", "divides the logits of seen tokens (1: none)")
     ignore_eos: bool | None = Field(None, description="generate past the end-of-sequence token")
-    min_tokens: int | None = Field(None, description="EOS and stop_token_ids are ignored until this many tokens")
+    min_tokens: int | None = _bounded("min_tokens", "EOS and stop_token_ids are ignored until this many tokens")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end generation besides EOS")
     skip_special_tokens: bool | None = Field(None, description="leave special tokens out of the text (default)")
     include_stop_str_in_output: bool | None = Field(None, description="keep the matched stop string in the text")
@@ -130,7 +158,7 @@ class CompletionRequestBody(_Sampling):
         description="text, token ids, or a list of either (one request each)")
     echo: bool | None = Field(None, description="each choice starts with its prompt (with max_tokens 0: the prompt "
                               "alone)")
-    logprobs: int | None = Field(None, description="top log-probabilities per token (0 to 20)")
+    logprobs: int | None = _bounded("logprobs", "top log-probabilities per token (0 to 20)")
     add_special_tokens: bool | None = Field(None, description="add BOS to text prompts (default true)")
     best_of: int | None = _refused("best-of sampling is " + NOT_YET, 1)
     suffix: str | None = _refused("insertion (fill in the middle) is " + NOT_YET, "")
@@ -142,8 +170,8 @@ class ChatCompletionRequestBody(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
         description="the conversation, rendered by the model's chat template")
     logprobs: bool | None = Field(None, description="return the sampled tokens' log-probabilities")
-    top_logprobs: int | None = Field(None, description="with logprobs: this many alternatives per token (0 to 20)")
-    max_completion_tokens: int | None = Field(None, description="most tokens to generate (wins over max_tokens)")
+    top_logprobs: int | None = _bounded("logprobs", "with logprobs: this many alternatives per token (0 to 20)")
+    max_completion_tokens: int | None = _bounded("max_tokens", "most tokens to generate (wins over max_tokens)")
     add_generation_prompt: bool | None = Field(None, description="end the rendered prompt with the assistant's "
                                                "header (default true)")
     tools: list[dict[str, Any]] | None = _refused(TOOLS_REASON, [])
@@ -223,9 +251,9 @@ def check_refused(body: BaseModel) -> None:
     """The first refused field holding a value that asks for something, as a 400 naming it (nested models too)."""
     for name, field in type(body).model_fields.items():
         value = getattr(body, name)
-        extra = field.json_schema_extra or {}
-        if REFUSED in extra and value is not None and value not in extra[NEUTRAL]:
-            raise InvalidRequestError(f"{name} is not supported: {extra[REFUSED]}", param=name)
+        refusal = refusal_of(field)
+        if refusal is not None and value is not None and value not in refusal.neutral:
+            raise InvalidRequestError(f"{name} is not supported: {refusal.reason}", param=name)
         for nested in value if isinstance(value, list) else [value]:
             if isinstance(nested, BaseModel):
                 try:

@@ -8,16 +8,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
-class Usage(BaseModel):
+class _Answer(BaseModel):
+    """Exactly these fields: the document promises no others."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Answer):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(_Answer):
     """The legacy shape: parallel lists, one entry per token."""
 
     tokens: list[str]
@@ -26,7 +32,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Answer):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
@@ -34,8 +40,8 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = Field(description="the stop string or token id that ended the choice (vLLM)")
 
 
-class CompletionResponse(BaseModel):
-    """POST /v1/completions, not streamed (streamed: `text_completion` events of the same shape, then [DONE])."""
+class CompletionResponse(_Answer):
+    """POST /v1/completions, not streamed (streamed: CompletionChunk events, then [DONE])."""
 
     id: str
     object: Literal["text_completion"]
@@ -45,7 +51,18 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
-class TopLogprob(BaseModel):
+class CompletionChunk(_Answer):
+    """One streamed /v1/completions event: what one choice gained, or (no choices) the usage, last."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="in the last event, with stream_options.include_usage")
+
+
+class TopLogprob(_Answer):
     token: str
     logprob: float
     bytes: list[int] | None = Field(description="the token's own bytes (a piece of a character stays a piece)")
@@ -55,16 +72,16 @@ class ChatLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatChoiceLogprobs(BaseModel):
+class ChatChoiceLogprobs(_Answer):
     content: list[ChatLogprob] | None
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(_Answer):
     role: Literal["assistant"]
     content: str | None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Answer):
     index: int
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None
@@ -72,8 +89,8 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None
 
 
-class ChatCompletionResponse(BaseModel):
-    """POST /v1/chat/completions, not streamed (streamed: `chat.completion.chunk` events, then [DONE])."""
+class ChatCompletionResponse(_Answer):
+    """POST /v1/chat/completions, not streamed (streamed: ChatCompletionChunk events, then [DONE])."""
 
     id: str
     object: Literal["chat.completion"]
@@ -83,17 +100,41 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class TokenizeResponse(BaseModel):
+class ChatDelta(_Answer):
+    role: Literal["assistant"] | None = Field(None, description="in each choice's first event")
+    content: str | None = None
+
+
+class ChatChunkChoice(_Answer):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionChunk(_Answer):
+    """One streamed /v1/chat/completions event: what one choice gained, or (no choices) the usage, last."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="in the last event, with stream_options.include_usage")
+
+
+class TokenizeResponse(_Answer):
     tokens: list[int]
     count: int
     max_model_len: int
 
 
-class DetokenizeResponse(BaseModel):
+class DetokenizeResponse(_Answer):
     prompt: str
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Answer):
     id: str
     object: Literal["model"]
     created: int
@@ -101,19 +142,19 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ModelList(_Answer):
     object: Literal["list"]
     data: list[ModelCard]
 
 
-class ErrorDetail(BaseModel):
+class ErrorDetail(_Answer):
     message: str
     type: str
     param: str | None
     code: str | int | None
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(_Answer):
     """Every failure, whatever the route: OpenAI's error JSON."""
 
     error: ErrorDetail

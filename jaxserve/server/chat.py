@@ -16,7 +16,7 @@ from jaxserve.entrypoints.openai_body import (chat_completion_body, chat_complet
                                               default_max_tokens, sampling_params_from_body, usage, usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, parse_body
-from jaxserve.entrypoints.protocol_responses import ChatCompletionResponse
+from jaxserve.entrypoints.protocol_responses import ChatCompletionChunk, ChatCompletionResponse
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
@@ -41,7 +41,7 @@ class ChatRequest:
 
 
 @blueprint.post("/v1/chat/completions")
-@declares(RouteSchema(requests=(ChatCompletionRequestBody,), response=ChatCompletionResponse, streams=True))
+@declares(RouteSchema(requests=(ChatCompletionRequestBody,), response=ChatCompletionResponse, stream_event=ChatCompletionChunk))
 async def create_chat_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_chat_request, await request_bytes(), context)

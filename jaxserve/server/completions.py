@@ -16,7 +16,7 @@ from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, complet
                                               completion_logprobs, sampling_params_from_body, usage, usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, completion_prompts, is_prompt_list
 from jaxserve.entrypoints.protocol import CompletionRequestBody, parse_body
-from jaxserve.entrypoints.protocol_responses import CompletionResponse
+from jaxserve.entrypoints.protocol_responses import CompletionChunk, CompletionResponse
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
@@ -42,7 +42,7 @@ class CompletionRequest:
 
 
 @blueprint.post("/v1/completions")
-@declares(RouteSchema(requests=(CompletionRequestBody,), response=CompletionResponse, streams=True))
+@declares(RouteSchema(requests=(CompletionRequestBody,), response=CompletionResponse, stream_event=CompletionChunk))
 async def create_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_completion_request, await request_bytes(), context)

@@ -27,7 +27,7 @@ class RouteSchema:
 
     requests: tuple[type[BaseModel], ...] = ()  # its JSON body: one of these models (none: no body)
     response: type[BaseModel] | None = None  # its 200 JSON answer; None: free-form JSON or not JSON
-    streams: bool = False  # with `stream: true` it answers server-sent events instead
+    stream_event: type[BaseModel] | None = None  # with `stream: true`: server-sent events of these, then [DONE]
     content_type: str = "application/json"  # of the 200 answer
 
 
@@ -46,7 +46,7 @@ def openapi_document(app: Quart) -> dict[str, Any]:
     schemas = {rule.endpoint: getattr(app.view_functions[rule.endpoint], "route_schema", RouteSchema())
                for rule in app.url_map.iter_rules()}
     models = {(m, "validation") for s in schemas.values() for m in s.requests}
-    models |= {(s.response, "serialization") for s in schemas.values() if s.response is not None}
+    models |= {(m, "serialization") for s in schemas.values() for m in (s.response, s.stream_event) if m is not None}
     models.add((ErrorResponse, "serialization"))
     _, definitions = models_json_schema(sorted(models, key=lambda pair: pair[0].__name__), ref_template=_REF)
     paths: dict[str, dict[str, Any]] = {}
@@ -68,8 +68,8 @@ def _operation(app: Quart, rule: Rule, method: str, schema: RouteSchema) -> dict
     doc = (app.view_functions[rule.endpoint].__doc__ or "").strip()
     answer: dict[str, Any] = {"description": "success"}
     content = {schema.content_type: {"schema": _ref(schema.response) if schema.response else {}}}
-    if schema.streams:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+    if schema.stream_event is not None:
+        content["text/event-stream"] = {"schema": _sse_event(schema.stream_event)}
     answer["content"] = content
     operation: dict[str, Any] = {
         "operationId": f"{rule.endpoint}.{method.lower()}",
@@ -85,6 +85,15 @@ def _operation(app: Quart, rule: Rule, method: str, schema: RouteSchema) -> dict
         operation["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}}}
     return operation
+
+
+def _sse_event(model: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 describes a stream by its events): `data` is `model` or an error as JSON,
+    or the closing `[DONE]`."""
+    payload = {"type": "string", "contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [_ref(model), _ref(ErrorResponse)]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, payload]}, "event": {"type": "string"}}}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:

@@ -19,6 +19,8 @@ from jaxserve.config import FIELD_NAMES, EngineConfig, flag_fields, flag_type, l
 
 DEMO_PROMPT = "The capital of France is"
 
+log = logging.getLogger(__name__)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
@@ -168,12 +170,15 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from jaxserve.server.config import ServerConfig
-    from jaxserve.server.serve import serve
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # JAX probes for a TPU on every start and logs the failure at INFO: noise on every GPU and CPU host.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    log.info("starting: %s; loading the model, then compiling its step programs",
+             args.model_path or args.model or args.config or "the built-in model")
+    # Imported after that first line: the server's imports (JAX, the web framework) take a second or two.
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.serve import serve
+
     if args.model_path is not None:
         if args.model is not None and args.model != args.model_path:
             raise JaxserveError(f"two models given: {args.model_path} and --model {args.model}")

@@ -4,6 +4,7 @@ leaving mid-stream, and the SIGTERM drain. Each server is the real `jaxserve ser
 import asyncio
 import concurrent.futures
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.live_server import running_server
+from tests.live_server import TINY_CONFIG, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -209,8 +210,14 @@ def test_several_served_names_are_listed_and_accepted(tiny_llm):
 def test_openapi_is_served(server):
     document = httpx.get(server.base_url + "/openapi.json", timeout=CLIENT_TIMEOUT_S).json()
     assert "post" in document["paths"]["/v1/completions"] and "get" in document["paths"]["/metrics"]
-    # The start-up log says what runs, without JAX's TPU probe.
-    assert "serving builtin (builtin) in float32" in server.log() and "libtpu" not in server.log()
+    # The start-up log says what runs, without JAX's TPU probe, and its progress bars all end full.
+    log = server.log()
+    assert "serving builtin (builtin) in float32" in log and "libtpu" not in log
+    assert log.splitlines()[0].endswith("starting: " + str(TINY_CONFIG) + "; loading the model, then compiling its "
+                                         "step programs")
+    for verb in ("lower", "compile"):
+        bar = re.search(rf"{verb} (\d+) step programs: 100%\|[^|]*\| (\d+)/(\d+)", log)
+        assert bar is not None and bar[1] == bar[2] == bar[3], log[:3000]
 
 
 # --- the event loop stays free ---------------------------------------------------------------------------------

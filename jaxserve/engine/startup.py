@@ -49,7 +49,7 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig,
     # Read before the weights start arriving: with them in flight, the allocator's count would be a moving target.
     stats = device_memory_stats() if config.num_kv_pages is None and config.kv_cache_memory_gb is None else None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as loader:
-        loading = loader.submit(_timed_load, model) if planned else None
+        loading = loader.submit(_timed_load, model, progress) if planned else None
         pending_bytes = model.weight_bytes_per_device() if planned else 0
         config = config.with_pool(_pool_pages(model, config, runner, stats, pending_bytes))
         runner.warm_up(config.num_kv_pages, progress)
@@ -84,10 +84,10 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def _timed_load(plan: ModelPlan) -> tuple[LoadedModel, float]:
-    """The weights, and the seconds reading them took; no progress bar, which would fight the compile bar."""
+def _timed_load(plan: ModelPlan, progress: bool) -> tuple[LoadedModel, float]:
+    """The weights, and the seconds reading them took (its bar, where the format has one, takes its own line)."""
     started = time.perf_counter()
-    loaded = plan.load(progress=False)
+    loaded = plan.load(progress)
     return loaded, time.perf_counter() - started
 
 
@@ -100,7 +100,10 @@ def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: Mo
     """
     if stats is not None:
         stats = {**stats, "bytes_in_use": stats.get("bytes_in_use", 0) + pending_weight_bytes}
-    workspace = runner.largest_step_workspace_bytes() if stats is not None else 0
+    workspace = 0
+    if stats is not None:
+        log.info("sizing the KV cache: compiling the largest step once to measure its workspace")
+        workspace = runner.largest_step_workspace_bytes()
     pages = resolve_num_pages(model.config, model.dtype, page_size=config.block_size,
                               tensor_parallel_size=model.mesh.size if model.mesh is not None else 1,
                               max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,

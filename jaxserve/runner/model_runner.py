@@ -181,24 +181,25 @@ class ModelRunner:
         follow. Needs neither the weights nor the pool.
 
         Each program is lowered here, then compiled on a thread pool (XLA compiles release the GIL), one per core,
-        while the next ones lower. The progress bar counts programs done of the total.
+        while the next ones lower. Two bars count programs lowered and compiled, each to its total.
         """
         buckets = self.buckets.all_buckets()
         started = time.perf_counter()
         lower_seconds = 0.0
         with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
-              tqdm(total=len(buckets), desc=f"compile {len(buckets)} step programs", unit="program",
-                   disable=not progress) as bar):
+              _program_bar("lower", len(buckets), progress) as lowered_bar,
+              _program_bar("compile", len(buckets), progress) as compiled_bar):
             compiling = {}
             for bucket in buckets:
                 lower_started = time.perf_counter()
                 with self.guard.watch():
                     lowered = self._lower(bucket, num_pages)
                 lower_seconds += time.perf_counter() - lower_started
+                lowered_bar.update()
                 compiling[workers.submit(self._compile_watched, lowered)] = bucket
             for done in concurrent.futures.as_completed(compiling):
                 self._programs[compiling[done]] = done.result()
-                bar.update()
+                compiled_bar.update()
         self.warmup_stats = WarmupStats(len(buckets), lower_seconds, time.perf_counter() - started)
         if self._channel is not None:
             with self.guard.watch():
@@ -367,3 +368,9 @@ def _span_scores(scores: SamplerOutput, span: _PromptSpan) -> PromptScores:
     return PromptScores(first_position=span.first_position, token_ids=scores.token_ids[tokens],
                         logprobs=scores.logprobs[tokens], ranks=scores.ranks[tokens],
                         top_ids=scores.top_ids[tokens], top_logprobs=scores.top_logprobs[tokens])
+
+
+def _program_bar(verb: str, total: int, shown: bool) -> tqdm:
+    """A bar of step programs `verb`-ed; bars open together take a line each."""
+    return tqdm(total=total, desc=f"{verb} {total} step programs", unit="program", disable=not shown,
+                mininterval=0.5)

@@ -173,11 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # JAX probes for a TPU on every start and logs the failure at INFO: noise on every GPU and CPU host.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    log.info("starting: %s; loading the model, then compiling its step programs",
-             args.model_path or args.model or args.config or "the built-in model")
-    # Imported after that first line: the server's imports (JAX, the web framework) take a second or two.
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.serve import serve
 
     if args.model_path is not None:
         if args.model is not None and args.model != args.model_path:
@@ -191,6 +187,11 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         profile_dir=args.profile_dir, allow_unknown_fields=args.allow_unknown_fields,
         metrics_need_key=args.metrics_need_key)
+    log.info("starting: %s; loading the model, then compiling its step programs",
+             engine_config.model or "the built-in model")
+    # Imported after that first line: the server's imports (JAX, the web framework) take a second or two.
+    from jaxserve.server.serve import serve
+
     _join_process_group(args)
     return serve(engine_config, config)
 

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from jaxserve.errors import InvalidRequestError
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top log-probabilities per token
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
@@ -84,6 +85,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # log-probabilities of each prompt token (scoring), plus this many top ones
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this (constrained decoding)
 
     def __post_init__(self):
         # Accept the list forms users write; store tuples so the object stays hashable and immutable.
@@ -105,6 +107,8 @@ class SamplingParams:
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "stop_token_ids must be non-negative integers")
+        _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, f"{name} must be a boolean, got {value!r}")

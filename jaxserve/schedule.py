@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxserve.sampling_params import SamplingParams
 
 # Stands for a token sampled on device in the previous step whose id the host has not read back yet; the runner
@@ -18,6 +20,11 @@ PENDING_TOKEN = -1
 # The all-zero page: padded block-table entries point at it, the host pool never hands it out, and the device pool
 # keeps it zero, so padding reads zeros and a freed page never leaks into another request's output.
 NULL_PAGE = 0
+
+
+def mask_width(vocab_size: int) -> int:
+    """32-bit words in a row of packed token bits (SamplingRow.token_mask)."""
+    return -(-vocab_size // 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +39,9 @@ class SamplingRow:
     eos_token_ids: Sequence[int]  # the tokenizer's EOS ids; min_tokens masks them unless ignore_eos
     seed: int  # the request's seed, or one the engine drew for it
     step: int  # distinct per draw of the row: how many tokens the sequence has generated, this one included
+    # i32[ceil(vocab / 32)]: the tokens its grammar allows in this draw, as packed bits (bit t % 32 of word t // 32);
+    # None: every token (no structured output, or a chunk that does not sample)
+    token_mask: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ def test_refused_fields_take_only_values_that_ask_for_nothing(model, base):
 
 
 @pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("best_of", 2), ("suffix", "x"),
-                                          ("response_format", {"type": "json_schema"}), ("priority", 3),
+                                          ("guided_decoding_backend", "xgrammar"), ("priority", 3),
                                           ("use_beam_search", True), ("service_tier", "flex")])
 def test_a_refused_field_asking_for_something_is_named(field, value):
     model, base = (CompletionRequestBody, COMPLETION) if field in ("best_of", "suffix") else (

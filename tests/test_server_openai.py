@@ -2,8 +2,13 @@
 logprobs, lm-evaluation-harness's scoring request and the tokenizer routes. Greedy answers must be exactly what
 `LLM.generate` / `LLM.chat` give offline with the same engine settings."""
 
+import json
+import re
+from typing import Annotated
+
 import httpx
 import openai
+import pydantic
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -310,7 +315,8 @@ DECLARED_ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("path, body, model", DECLARED_ANSWERS, ids=[f"{p} {m.__name__}" for p, _, m in DECLARED_ANSWERS])
+@pytest.mark.parametrize("path, body, model", DECLARED_ANSWERS,
+                         ids=[f"{p} {m.__name__}" for p, _, m in DECLARED_ANSWERS])
 def test_answers_are_the_declared_models(server, path, body, model):
     """Exactly the declared fields (the models forbid others), streamed events one by one."""
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
@@ -322,3 +328,39 @@ def test_answers_are_the_declared_models(server, path, body, model):
             model.model_validate_json(event)
     else:
         model.model_validate_json(response.content)
+
+
+# --- structured output -----------------------------------------------------------------------------------------
+
+
+class Point(pydantic.BaseModel):
+    x: Annotated[int, pydantic.Field(ge=0, le=9)]
+    y: Annotated[int, pydantic.Field(ge=0, le=9)]
+    label: Annotated[str, pydantic.Field(max_length=6)]
+
+
+def test_chat_completions_parse_returns_the_pydantic_model(client):
+    completion = client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Point, max_tokens=60,
+                                               temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Point)
+    assert Point.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_streamed_guided_choice_joins_to_one_choice(client):
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=5,
+                                       stream=True, extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]})
+    pieces = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert "".join(p.text for p in pieces) in ("Paris", "Lyon", "Nice") and pieces[-1].finish_reason == "stop"
+
+
+def test_json_object_and_vllm_structured_outputs(client):
+    # Any object: the random model may stay inside a string until max_tokens, so only a finished one must parse.
+    anything = client.chat.completions.create(model=MODEL, messages=CHAT, response_format={"type": "json_object"},
+                                              max_tokens=60, temperature=1.0, seed=1, n=4)
+    assert all(c.message.content.startswith("{") for c in anything.choices)
+    finished = [c.message.content for c in anything.choices if c.finish_reason == "stop"]
+    assert finished and all(isinstance(json.loads(text), dict) for text in finished)
+    coded = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", coded.choices[0].text)

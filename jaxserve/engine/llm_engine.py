@@ -28,6 +28,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.startup import start_runner
+from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
 from jaxserve.runner.model_runner import PendingStep, PromptScores, SampledBatch
@@ -82,6 +83,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.runner, self.config, self.startup_stats = start_runner(model, config, progress)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size)
         self.scheduler = Scheduler(self.config)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
@@ -106,10 +108,13 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else int(self._draw_seeds.integers(2**32))
         tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
                            prompt_logprobs={}, stream=stream)
+        constraint = params.structured_outputs
+        grammars = [self.grammars.matcher(constraint) if constraint else None for _ in children]  # may refuse
         for index, child in enumerate(children):
             self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new,
                                                # As vLLM: continuation i draws with seed + i.
-                                               seed=base_seed + index, eos_token_ids=self.tokenizer.eos_token_ids))
+                                               seed=base_seed + index, eos_token_ids=self.tokenizer.eos_token_ids,
+                                               grammar=grammars[index]))
             tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
             self._parent_of[child] = request_id
         self._tracked[request_id] = tracked
@@ -177,9 +182,11 @@ class LLMEngine:
         return finished
 
     def _may_overlap(self) -> bool:
+        """Async overlap schedules a step before the previous one's tokens are read back, which penalties (they
+        count the outputs) and grammars (each mask follows every earlier token) cannot wait for."""
         return self.config.async_scheduling and not any(
-            uses_penalties(self.scheduler.get_request(child).params)
-            for child in self._parent_of if self.scheduler.get_request(child) is not None
+            uses_penalties(request.params) or request.grammar is not None
+            for request in map(self.scheduler.get_request, self._parent_of) if request is not None
         )
 
     def _complete(self, in_flight: _InFlight) -> list[RequestOutput]:
@@ -208,7 +215,8 @@ class LLMEngine:
     def _append(self, child: str, token: SampledToken) -> RequestOutput | None:
         tracked = self._tracked[self._parent_of[child]]
         sequence = tracked.sequences[child]
-        text = sequence.append(token)
+        grammar = self.scheduler.get_request(child).grammar
+        text = sequence.append(token, grammar_done=grammar is not None and grammar.done)
         if tracked.stream:
             self._deltas.append(CompletionDelta(
                 request_id=tracked.request_id, index=sequence.index, text=text, token_ids=(token.token_id,),

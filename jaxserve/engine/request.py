@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.schedule import PENDING_TOKEN
+
+if TYPE_CHECKING:
+    from jaxserve.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -34,7 +38,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  arrival_index: int, max_new_tokens: int | None = None, *, seed: int = 0,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), grammar: GrammarMatcher | None = None):
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.params = params
@@ -43,6 +47,10 @@ class Request:
         self.max_new_tokens = params.max_tokens if max_new_tokens is None else max_new_tokens
         self.seed = seed  # of its draws: the request's own seed, or one the engine drew for it
         self.eos_token_ids = eos_token_ids  # the tokenizer's EOS ids, which min_tokens holds back
+        # Structured output: where the outputs so far leave the grammar (it follows each token as it is read back;
+        # preemption keeps it, since the outputs stay). The engine runs such requests without async overlap, so
+        # the mask of each draw follows every earlier token.
+        self.grammar = grammar
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
@@ -109,6 +117,8 @@ class Request:
         self._token_ids[position] = token_id
         self.output_token_ids[position - self.num_prompt_tokens] = token_id
         self.num_pending_tokens -= 1
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def reset_for_recompute(self) -> None:
         """Forgets computed state after preemption; prompt and outputs stay, to be computed again."""

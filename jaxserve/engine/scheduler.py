@@ -241,7 +241,7 @@ class Scheduler:
             samples=samples,
             # Logits at position p score prompt token p + 1; the last prompt position's logits are the sample's.
             wants_prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
-            sampling=_sampling_row(request),
+            sampling=_sampling_row(request, samples),
         ))
         plan.token_budget -= num_new
 
@@ -285,9 +285,10 @@ class Scheduler:
         return -(-num_tokens // self.page_size)
 
 
-def _sampling_row(request: Request) -> SamplingRow:
+def _sampling_row(request: Request, samples: bool) -> SamplingRow:
     """How the request's next token is drawn; built after its pending token is booked, so `step` counts it."""
+    constrained = samples and request.grammar is not None
     return SamplingRow(params=request.params, prompt_ids=request.prompt_token_ids,
                        # The live list, not a copy: the row becomes arrays before the request changes.
                        output_ids=request.output_token_ids, eos_token_ids=request.eos_token_ids, seed=request.seed,
-                       step=request.num_output_tokens)
+                       step=request.num_output_tokens, token_mask=request.grammar.next_mask() if constrained else None)

@@ -32,8 +32,9 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, sampled: SampledToken) -> str:
-        """Records one token; returns the text it releases (possibly empty)."""
+    def append(self, sampled: SampledToken, grammar_done: bool = False) -> str:
+        """Records one token; returns the text it releases (possibly empty). `grammar_done`: the request's grammar
+        allows nothing after this token, so the sequence stops with it (EOS, when sampled, stops it first)."""
         token = sampled.token_id
         self.token_ids.append(token)
         self._record_logprobs(sampled)
@@ -42,7 +43,8 @@ class Sequence:
             self._finish("stop", token if token in self.params.stop_token_ids else None)
             return self._release(self._stop_strings.flush())
         at_length = len(self.token_ids) >= self.max_new_tokens
-        text = self._detokenizer.push(token) + (self._detokenizer.flush() if at_length else "")
+        last = at_length or grammar_done
+        text = self._detokenizer.push(token) + (self._detokenizer.flush() if last else "")
         if len(self.token_ids) < self.params.min_tokens:
             # As in vLLM, nothing stops a sequence before min_tokens: stop strings are looked for only after it.
             delta, matched = self._stop_strings.flush() + text, None
@@ -50,8 +52,8 @@ class Sequence:
             delta, matched = self._stop_strings.feed(text)
         if matched is not None:
             self._finish("stop", matched)
-        elif at_length:
-            self._finish("length", None)
+        elif last:
+            self._finish("stop" if grammar_done else "length", None)
             delta += self._stop_strings.flush()
         return self._release(delta)
 

@@ -15,6 +15,7 @@ from typing import Any
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
 
 # Body fields that map one to one onto SamplingParams.
@@ -45,6 +46,10 @@ def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_toke
     logprobs = _requested_logprobs(body, chat)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    constraint, field = structured_outputs_from_body(body)
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint
+        spelled["structured_outputs"] = field
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
@@ -54,6 +59,53 @@ def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_toke
         raise InvalidRequestError(str(e).replace(e.param, field, 1), param=field) from None
     except TypeError as e:
         raise InvalidRequestError(f"a sampling field has the wrong type: {e}") from None
+
+
+def structured_outputs_from_body(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The body's output constraint and the field that gave it; more than one constraining field is a 400."""
+    given = {}
+    for field, keywords_of in _CONSTRAINT_FIELDS.items():
+        if body.get(field) is not None:
+            keywords = keywords_of(body[field])
+            if keywords is not None:
+                given[field] = keywords
+    if len(given) > 1:
+        second = list(given)[1]
+        raise InvalidRequestError(f"{second} cannot be combined with {list(given)[0]}: a request takes one output "
+                                  "constraint", param=second)
+    if not given:
+        return None, None
+    (field, keywords), = given.items()
+    try:
+        return StructuredOutputsParams(**keywords), field
+    except InvalidRequestError as error:
+        raise InvalidRequestError(str(error), param=field) from None
+
+
+def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's response_format as StructuredOutputsParams keywords (None for plain text)."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        return None
+    spec = response_format.get("json_schema")
+    if spec is None:
+        raise InvalidRequestError("response_format of type json_schema needs json_schema", param="response_format")
+    schema = spec.get("schema")
+    return {"json": schema} if schema is not None else {"json_object": True}
+
+
+# The fields that may carry a request's output constraint, and how each becomes StructuredOutputsParams' keywords.
+_CONSTRAINT_FIELDS = {
+    "response_format": _response_format_constraint,
+    "structured_outputs": lambda value: {name: value[name] for name in ("json", "json_object", "regex", "choice",
+                                                                        "grammar") if value.get(name) is not None},
+    "guided_json": lambda value: {"json": value},
+    "guided_regex": lambda value: {"regex": value},
+    "guided_choice": lambda value: {"choice": value},
+    "guided_grammar": lambda value: {"grammar": value},
+}
 
 
 def default_max_tokens(chat: bool, prompt_len: int, max_model_len: int) -> int:

@@ -26,7 +26,7 @@ from jaxserve.sampling_params import BOUNDS
 
 REFUSED, NEUTRAL = "x-jaxserve-refused", "x-jaxserve-neutral"  # a refused field's schema keys
 NOT_YET = "not implemented yet"
-TOOLS_REASON = "tool calls and structured output are not implemented yet"
+TOOLS_REASON = "tool calls are not implemented yet"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,40 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool | None = Field(None, description="a last event with the request's usage")
     continuous_usage_stats: bool | None = _refused("usage in every event is " + NOT_YET, False)
+
+
+class JsonSchemaFormat(_Body):
+    """response_format's json_schema."""
+
+    model_config = ConfigDict(serialize_by_alias=True)
+    name: str = Field(description="the schema's name (not used for decoding)")
+    description: str | None = Field(None, description="what the output is for (not used for decoding)")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON Schema the output matches "
+                                           "(absent: any JSON object)")
+    strict: bool | None = Field(None, description="accepted: the output always matches the schema exactly")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema")
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json", description="a JSON Schema")
+    json_object: bool | None = Field(None, description="any JSON object")
+    regex: str | None = Field(None, description="a regular expression the whole output matches")
+    choice: list[str] | None = Field(None, description="the output is one of these strings")
+    grammar: str | None = Field(None, description="a Lark grammar, or GBNF/EBNF as llama.cpp writes it")
+    disable_fallback: bool | None = Field(None, description="accepted: there is one grammar engine, no fallback")
+    disable_any_whitespace: bool | None = Field(None, description="accepted: JSON is generated without optional "
+                                                "whitespace anyway")
+    disable_additional_properties: bool | None = _refused(NOT_YET, False)
+    whitespace_pattern: str | None = _refused(NOT_YET)
+    structural_tag: str | None = _refused(NOT_YET)
+
+    model_config = ConfigDict(serialize_by_alias=True)
 
 
 class TextPart(_Body):
@@ -124,14 +158,18 @@ class _Sampling(_Body):
     skip_special_tokens: bool | None = Field(None, description="leave special tokens out of the text (default)")
     include_stop_str_in_output: bool | None = Field(None, description="keep the matched stop string in the text")
     # Declared, refused until built.
-    response_format: dict[str, Any] | None = _refused(TOOLS_REASON, {"type": "text"})
-    structured_outputs: dict[str, Any] | None = _refused(TOOLS_REASON)
-    guided_json: Any = _refused(TOOLS_REASON)
-    guided_regex: str | None = _refused(TOOLS_REASON)
-    guided_choice: list[str] | None = _refused(TOOLS_REASON)
-    guided_grammar: str | None = _refused(TOOLS_REASON)
-    guided_decoding_backend: str | None = _refused(TOOLS_REASON)
-    guided_whitespace_pattern: str | None = _refused(TOOLS_REASON)
+    # Structured output (one constraint per request, whichever field gives it).
+    response_format: ResponseFormat | None = Field(None, description="OpenAI's: text, any JSON object, or JSON "
+                                                   "matching a schema")
+    structured_outputs: StructuredOutputsBody | None = Field(None, description="vLLM's: one of json, json_object, "
+                                                             "regex, choice, grammar")
+    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's older spelling: a JSON Schema")
+    guided_regex: str | None = Field(None, description="vLLM's older spelling: a regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older spelling: one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM's older spelling: a Lark or GBNF grammar")
+    guided_decoding_backend: str | None = _refused("the grammar engine is llguidance", "auto", "guidance",
+                                                   "llguidance")
+    guided_whitespace_pattern: str | None = _refused(NOT_YET)
     allowed_token_ids: list[int] | None = _refused(NOT_YET)
     bad_words: list[str] | None = _refused(NOT_YET, [])
     prompt_logprobs: int | None = _refused(NOT_YET + " over HTTP (echo with logprobs scores a completions prompt)")

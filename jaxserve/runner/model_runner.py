@@ -45,7 +45,7 @@ from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
 from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors, uses_penalties
 from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_step
-from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput
+from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput, mask_width
 
 @dataclasses.dataclass(frozen=True)
 class PromptScores:
@@ -327,7 +327,8 @@ class ModelRunner:
     def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket):
         return build_sampling_tensors(
             [c.sampling for c in chunks], bucket.num_seqs, bias_width=self.config.max_logit_bias,
-            stop_width=self.config.max_stop_ids, history_width=self._history_width if bucket.penalties else 1)
+            stop_width=self.config.max_stop_ids, history_width=self._history_width if bucket.penalties else 1,
+            mask_width=mask_width(self.model_config.vocab_size))
 
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""

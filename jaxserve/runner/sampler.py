@@ -61,6 +61,9 @@ class SamplingTensors:
     bias_values: jax.Array  # f32[S, B]: the bias added to each of bias_ids
     stop_ids: jax.Array  # i32[S, E]: EOS and stop token ids, -1 padding
     block_stop_ids: jax.Array  # bool[S]: fewer than min_tokens generated, so stop_ids are masked
+    # i32[S, W]: tokens each row may draw, packed 32 to a word (structured output); all ones on other rows. Tokens
+    # past W * 32 are allowed, so W = 1 suits batches without structured output in tests.
+    allowed: jax.Array
     penalties: PenaltyTensors  # neutral on rows without a penalty
     truncation: TruncationTensors  # neutral on rows without top-k, top-p or min-p
 
@@ -82,7 +85,8 @@ class SamplerOutput:
 
 
 def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = None, *, bias_width: int | None = None,
-                           stop_width: int | None = None, history_width: int | None = None) -> SamplingTensors:
+                           stop_width: int | None = None, history_width: int | None = None,
+                           mask_width: int | None = None) -> SamplingTensors:
     """Numpy tensors for `rows`, padded to num_rows (default len(rows)).
 
     A width left None is the smallest power of two that fits; pass fixed widths to keep shapes, and so compiled
@@ -107,6 +111,7 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
         bias_values=_padded([list(b.values()) for b in biases], num_rows, bias_width, 0.0, np.float32),
         stop_ids=_padded(stops, num_rows, stop_width, -1, np.int32),
         block_stop_ids=np.array([len(r.output_ids) < r.params.min_tokens for r in rows] + [False] * pad),
+        allowed=_token_masks(rows, num_rows, mask_width),
         penalties=_penalty_tensors(rows, num_rows, history_width),
         truncation=_truncation_tensors(rows, num_rows),
     )
@@ -116,10 +121,20 @@ def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -
     """Picks one token per row of logits f32[S, V]; num_top_logprobs (K) is static."""
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]: reported before anything changes the logits
-    processed = _apply_penalties(_apply_logit_bias(_apply_min_tokens(logits, tensors), tensors),
+    constrained = _apply_token_mask(logits, tensors.allowed)  # f32[S, V]
+    processed = _apply_penalties(_apply_logit_bias(_apply_min_tokens(constrained, tensors), tensors),
                                  tensors.penalties)  # f32[S, V]
     token_ids = jnp.where(tensors.greedy, jnp.argmax(processed, axis=-1), _draw(processed, tensors))  # i32[S]
     return describe_tokens(raw_logprobs, token_ids.astype(jnp.int32), num_top_logprobs)
+
+
+def _apply_token_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:  # f32[S, V]
+    """Tokens a row's grammar forbids get -inf, before anything else touches the logits."""
+    rows, vocab = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[S, W, 32]
+    bits = bits.reshape(rows, -1)[:, :vocab]  # i32[S, min(W * 32, V)]
+    keep = jnp.pad(bits, ((0, 0), (0, vocab - bits.shape[1])), constant_values=1) != 0  # bool[S, V]
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def _apply_min_tokens(logits: jax.Array, tensors: SamplingTensors) -> jax.Array:  # f32[S, V]
@@ -239,6 +254,16 @@ def _truncation_tensors(rows: Sequence[SamplingRow], num_rows: int) -> Truncatio
         top_p=np.array([r.params.top_p for r in rows] + [1.0] * pad, np.float32),
         min_p=np.array([r.params.min_p for r in rows] + [0.0] * pad, np.float32),
     )
+
+
+def _token_masks(rows: Sequence[SamplingRow], num_rows: int, width: int | None) -> np.ndarray:  # i32[S, W]
+    masks = [r.token_mask for r in rows]
+    width = width if width is not None else max((len(m) for m in masks if m is not None), default=1)
+    out = np.full((num_rows, width), -1, np.int32)
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            out[row] = mask
+    return out
 
 
 def _width(needed: int, given: int | None, name: str) -> int:

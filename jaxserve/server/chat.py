@@ -23,7 +23,7 @@ from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import streamed_response
 from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
 from jaxserve.server.openapi import RouteSchema, declares
-from jaxserve.server.request_fields import check_limits, conversation_prompt, flag, include_usage
+from jaxserve.server.request_fields import check_constraint, check_limits, conversation_prompt, flag, include_usage
 from jaxserve.server.streams import final_outputs, merged_events
 from jaxserve.tokenizer import Tokenizer
 
@@ -41,7 +41,8 @@ class ChatRequest:
 
 
 @blueprint.post("/v1/chat/completions")
-@declares(RouteSchema(requests=(ChatCompletionRequestBody,), response=ChatCompletionResponse, stream_event=ChatCompletionChunk))
+@declares(RouteSchema(requests=(ChatCompletionRequestBody,), response=ChatCompletionResponse,
+                      stream_event=ChatCompletionChunk))
 async def create_chat_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_chat_request, await request_bytes(), context)
@@ -68,6 +69,7 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
     params = sampling_params_from_body(fields, chat=True, default_max_tokens=default_max_tokens(
         True, len(prompt.token_ids), context.max_model_len))
     check_limits(params, 1, context.config)
+    check_constraint(params, fields, context)
     asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if getattr(body, asked) is not None:
         check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, asked)

@@ -23,7 +23,7 @@ from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import ApiError, streamed_response
 from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
 from jaxserve.server.openapi import RouteSchema, declares
-from jaxserve.server.request_fields import check_limits, flag, include_usage
+from jaxserve.server.request_fields import check_constraint, check_limits, flag, include_usage
 from jaxserve.server.streams import final_outputs, merged_events
 
 blueprint = Blueprint("completions", __name__)
@@ -74,6 +74,7 @@ def parse_completion_request(raw: bytes, context: ServerContext) -> CompletionRe
             raise ApiError(400, "echo with logprobs is not supported when streaming", param="echo")
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     check_limits(params, len(prompts), context.config)
+    check_constraint(params, fields, context)
     if not prompt_only:
         for prompt in prompts:
             check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, "max_tokens")

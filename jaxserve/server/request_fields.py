@@ -1,11 +1,14 @@
-"""Checks of OpenAI request fields shared by the endpoints: typed flags, stream options, limits, conversations."""
+"""Checks of OpenAI request fields shared by the endpoints: typed flags, stream options, limits, output
+constraints, conversations."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.entrypoints.openai_body import structured_outputs_from_body
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
+from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.api_errors import ApiError
 from jaxserve.server.app import ServerContext
@@ -41,6 +44,17 @@ def check_limits(params: SamplingParams, num_prompts: int, config: ServerConfig)
         raise ApiError(400, f"n must be at most {config.max_n}, got {params.n}", param="n")
     if num_prompts > config.max_prompts:
         raise ApiError(400, f"at most {config.max_prompts} prompts per request, got {num_prompts}", param="prompt")
+
+
+def check_constraint(params: SamplingParams, fields: dict[str, Any], context: ServerContext) -> None:
+    """The request's output constraint compiled (or found in the cache) before it reaches the engine, so an invalid
+    schema, regex or grammar is a 400 naming the field that gave it."""
+    if params.structured_outputs is None:
+        return
+    try:
+        context.engine.engine.grammars.check(params.structured_outputs)
+    except InvalidRequestError as error:
+        raise InvalidRequestError(str(error), param=structured_outputs_from_body(fields)[1]) from None
 
 
 def conversation_prompt(messages: list[dict[str, Any]], context: ServerContext,

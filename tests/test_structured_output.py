@@ -1,0 +1,112 @@
+"""Structured output: every finished output of the built-in random model matches its constraint (jsonschema is the
+oracle for JSON Schema), the on-device mask agrees with llguidance's own numpy mask, rows without a constraint are
+untouched beside constrained ones, nothing compiles after warm-up, and bad constraints are refused by name."""
+
+import json
+import re
+
+import jax
+import jsonschema
+import llguidance.numpy
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams, StructuredOutputsParams
+from jaxserve.errors import InvalidRequestError
+from jaxserve.runner.sampler import _apply_token_mask
+
+PROMPT = "Hello"
+MAX_TOKENS = 48  # every constraint below ends well within this, so a finished output is a whole one
+# Bounded strings, numbers and arrays: the random model would otherwise fill max_tokens inside one.
+SCHEMAS = {
+    "nested object": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
+                                                  "ok": {"type": "boolean"}},
+                 "required": ["id", "ok"], "additionalProperties": False}},
+        "required": ["user"], "additionalProperties": False},
+    "array with min and max items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "minItems": 2, "maxItems": 4},
+    "enum": {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
+             "additionalProperties": False},
+    "bounded integer": {"type": "integer", "minimum": -5, "maximum": 250},
+    "string pattern": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+    "anyOf": {"anyOf": [{"type": "boolean"}, {"type": "string", "maxLength": 4}, {"type": "null"}]},
+    "$ref": {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                                 "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                 "required": ["x", "y"], "additionalProperties": False}},
+             "type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+             "required": ["a", "b"], "additionalProperties": False},
+}
+
+
+def _constrained(constraint: StructuredOutputsParams, temperature: float, seed: int = 0, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, structured_outputs=constraint,
+                          **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_every_output_matches_its_json_schema(tiny_llm, temperature):
+    names = list(SCHEMAS)
+    outputs = tiny_llm.generate([PROMPT] * len(names), [_constrained(StructuredOutputsParams(json=SCHEMAS[name]),
+                                                                     temperature, seed=i) for i, name in
+                                                        enumerate(names)], use_tqdm=False)
+    for name, output in zip(names, outputs):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (name, completion.text)
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[name])
+
+
+def test_regex_choice_grammar_and_json_object(tiny_llm):
+    constraints = {
+        "regex": StructuredOutputsParams(regex=r"[a-c]{3}-\d{2}"),
+        "choice": StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+        "grammar": StructuredOutputsParams(grammar='start: "id=" NUM ("," NUM)?\nNUM: /[0-9]{1,3}/'),
+        "json_object": StructuredOutputsParams(json_object=True),
+    }
+    params = [_constrained(c, temperature=1.0, seed=7, n=2) for c in constraints.values()]
+    outputs = dict(zip(constraints, tiny_llm.generate([PROMPT] * len(params), params, use_tqdm=False)))
+    for kind, output in outputs.items():
+        assert [c.finish_reason for c in output.outputs] == ["stop", "stop"], kind
+    assert all(re.fullmatch(r"[a-c]{3}-\d{2}", c.text) for c in outputs["regex"].outputs)
+    assert all(c.text in ("yes", "no", "maybe") for c in outputs["choice"].outputs)
+    assert all(re.fullmatch(r"id=\d{1,3}(,\d{1,3})?", c.text) for c in outputs["grammar"].outputs)
+    assert all(isinstance(json.loads(c.text), dict) for c in outputs["json_object"].outputs)
+    assert tiny_llm.engine.compiles_after_warmup == 0
+
+
+def test_rows_without_a_constraint_are_untouched_beside_constrained_ones(tiny_llm):
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = tiny_llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0].token_ids
+    beside = tiny_llm.generate([PROMPT, PROMPT], [plain, _constrained(StructuredOutputsParams(choice=["a", "b"]), 0)],
+                               use_tqdm=False)
+    assert beside[0].outputs[0].token_ids == alone and beside[1].outputs[0].text in ("a", "b")
+
+
+def test_the_device_mask_agrees_with_llguidances_numpy_mask():
+    rng = np.random.default_rng(0)
+    vocab = 77  # not a multiple of 32: the last word is partly padding
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)  # f32[S, V]
+    masks = rng.integers(-2**31, 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)  # i32[S, ceil(V / 32)]
+    expected = logits.copy()
+    llguidance.numpy.apply_token_bitmask_inplace(expected, masks)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_apply_token_mask)(logits, masks)), expected)
+
+
+@pytest.mark.parametrize("constraint, fault", [
+    (StructuredOutputsParams(regex="a(b"), "unclosed group"),
+    (StructuredOutputsParams(json={"type": "frob"}), "frob"),
+    (StructuredOutputsParams(grammar="start: foo"), "unknown name"),
+], ids=["regex", "json schema", "grammar"])
+def test_an_invalid_constraint_is_refused_and_changes_nothing(tiny_llm, constraint, fault):
+    with pytest.raises(InvalidRequestError, match=fault) as refused:
+        tiny_llm.generate([PROMPT], _constrained(constraint, 0), use_tqdm=False)
+    assert refused.value.param == "structured_outputs"
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("keywords", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"json": "{"}],
+                         ids=["none", "two", "empty choice", "schema not JSON"])
+def test_structured_outputs_params_take_exactly_one_valid_constraint(keywords):
+    with pytest.raises(InvalidRequestError) as refused:
+        StructuredOutputsParams(**keywords)
+    assert refused.value.param == "structured_outputs"

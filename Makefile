@@ -4,7 +4,7 @@ EXTRAS ?=
 comma := ,
 TEST_EXTRAS := test,parity$(if $(EXTRAS),$(comma)$(EXTRAS))
 
-.PHONY: run test
+.PHONY: run test gpu-check
 
 run:  ## serves the OpenAI API on 127.0.0.1:8000 with the built-in tiny model (or pass ARGS="--model DIR ...")
 	./scripts/bootstrap.sh "$(EXTRAS)"
@@ -13,3 +13,10 @@ run:  ## serves the OpenAI API on 127.0.0.1:8000 with the built-in tiny model (o
 test:  ## runs the whole test suite, parity oracles included (CI runs exactly this)
 	./scripts/bootstrap.sh "$(TEST_EXTRAS)"
 	.venv/bin/python -m pytest -q $(ARGS)
+
+# On a GPU host: the host's own python3 (with CUDA JAX) and the wheels scripts/gpu_wheels.sh put in .whl/; no .venv,
+# no package index. benchmarks/gpu_check.py's docstring says what each part measures.
+OUT ?= gpu-check-results
+
+gpu-check:  ## on a GPU host: GPU checks and benchmarks into OUT (ARGS="--group 1", then "--group 2"; "--list")
+	./scripts/gpu_check.sh "$(OUT)" $(ARGS)

@@ -455,11 +455,12 @@ def xla_attention(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positi
     return paged_attention_xla(q, k_pages, v_pages, metadata, positions, scale)
 
 
-def checked_reference(inputs: PagedInputs, batch: Batch, scale: float) -> tuple[jax.Array, int]:
-    """The first CHECKED_SEQUENCES sequences' outputs f32[rows, heads, head_dim] in float32 at full matmul
-    precision, and rows, their query tokens (the batch's first). Only their pages are upcast, so this stays small
-    whatever the pool."""
-    seqs = min(CHECKED_SEQUENCES, batch.num_seqs)
+def checked_reference(inputs: PagedInputs, batch: Batch, scale: float,
+                      max_seqs: int = CHECKED_SEQUENCES) -> tuple[jax.Array, int]:
+    """The first `max_seqs` sequences' outputs f32[rows, heads, head_dim] in float32 at full matmul precision, and
+    rows, their query tokens (the batch's first). Only their pages are upcast, so this stays small whatever the
+    pool."""
+    seqs = min(max_seqs, batch.num_seqs)
     rows = sum(batch.query_lens[:seqs])
     tables = inputs.block_tables[:seqs]  # i32[seqs, max_pages]
     compact = jnp.arange(tables.size, dtype=jnp.int32).reshape(tables.shape)  # i32[seqs, max_pages]
@@ -591,13 +592,17 @@ def engine_prefill_tuning(batch: Batch, shape: AttentionShape) -> PrefillTuning:
                                   page_size=shape.page_size, head_dim=shape.head_dim, dtype=shape.dtype)
 
 
+def shape_decode_tuning(batch: Batch, shape: AttentionShape) -> DecodeTuning:
+    """The decode kernel's default tuning for a call of this shape."""
+    return default_decode_tuning(num_seqs=batch.num_seqs, kv_heads=shape.kv_heads,
+                                 max_pages_per_seq=max(pages_per_seq(batch.seq_lens, shape.page_size)),
+                                 page_size=shape.page_size, head_dim=shape.head_dim, dtype=shape.dtype)
+
+
 def decode_variants(batch: Batch, settings: GridSettings) -> list[Variant]:
     shape = settings.shape
-    default = default_decode_tuning(num_seqs=batch.num_seqs, kv_heads=shape.kv_heads,
-                                    max_pages_per_seq=max(pages_per_seq(batch.seq_lens, shape.page_size)),
-                                    page_size=shape.page_size, head_dim=shape.head_dim, dtype=shape.dtype)
     variants = [pallas_decode_variant(tuning, shape.scale, settings.interpret)
-                for tuning in decode_tunings(default, settings.sweep)]
+                for tuning in decode_tunings(shape_decode_tuning(batch, shape), settings.sweep)]
     splits = SHIPPED_SWEEP_SPLITS if settings.sweep else (SHIPPED_DEFAULT_SPLITS,)
     variants += [shipped_variant(k, shape.scale, settings.interpret) for k in splits]
     variants.append(pallas_step_variant("pallas_mixed", engine_prefill_tuning(batch, shape), shape.scale,

@@ -1,5 +1,7 @@
 """Model configs (config.json contents) the benchmarks build random models of: real models' shapes, no weights."""
 
+import json
+
 # Llama-3.1-8B's shapes.
 LLAMA3_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -24,3 +26,13 @@ LLAMA3_8B_CONFIG = {
 # Llama-3.1-70B's shapes.
 LLAMA3_70B_CONFIG = {**LLAMA3_8B_CONFIG, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                      "num_attention_heads": 64}
+
+
+def model_config(name: str) -> dict:
+    """The config of a model the benchmarks name: "llama-3.1-8b", "llama-3.1-70b" or "builtin" (the built-in tiny
+    model's own config)."""
+    if name == "builtin":
+        from jaxserve.checkpoint import BUILTIN_MODEL_DIR  # here: the real models' shapes need no jaxserve
+
+        return json.loads((BUILTIN_MODEL_DIR / "config.json").read_text())
+    return {"llama-3.1-8b": LLAMA3_8B_CONFIG, "llama-3.1-70b": LLAMA3_70B_CONFIG}[name]

@@ -6,8 +6,10 @@ Poisson process of `--request-rate` requests/s (`inf`: all at once) and at most 
 at a time. `--concurrency-sweep 1,32,100,200` runs one scenario per concurrency level; a comma list of request
 rates runs one scenario per rate. Figures follow vLLM's serving benchmark (see `serve_stats.py`): TTFT, TPOT,
 ITL and end-to-end latency (mean, p50, p90, p99), request / output-token / total-token throughput, and goodput
-(requests/s meeting `--slo-ttft-ms` and `--slo-tpot-ms`). Failed requests are counted, with their error messages,
-and left out of the latency figures.
+(requests/s meeting `--slo-ttft-ms` and `--slo-tpot-ms`); `--metric-percentiles` picks the percentiles. Failed
+requests are counted, with their error messages, and left out of the latency figures. With `--duration-s` a
+scenario sends no new request once that many seconds have passed (the ones in flight finish): at most
+`--num-prompts`, at most that long.
 
 Prompts need no tokenizer on the client: on /v1/completions each prompt is a list of random token ids (the
 vocabulary size comes from `--tokenizer-vocab-size` or the server's `GET /tokenizer_info`), so its length is exact;
@@ -36,7 +38,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from serve_stats import SLOs, RequestRecord, summarize
+from serve_stats import PERCENTILES, SLOs, RequestRecord, summarize
 
 # The benchmark often runs on the server's own GPU host: JAX (imported only to describe the machine) must not
 # preallocate GPU memory there.
@@ -105,6 +107,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrival times")
     parser.add_argument("--slo-ttft-ms", type=float, default=600.0, help="goodput: TTFT at most this")
     parser.add_argument("--slo-tpot-ms", type=float, default=40.0, help="goodput: TPOT at most this")
+    parser.add_argument("--duration-s", type=float, default=None,
+                        help="stop sending a scenario's requests after this many seconds (those in flight finish)")
+    parser.add_argument("--metric-percentiles", type=parse_percentiles, default=list(PERCENTILES),
+                        help="comma-separated latency percentiles to report (default 50,90,99)")
     parser.add_argument("--tokenizer-vocab-size", type=int, default=None,
                         help="token ids are drawn below this (default: vocab_size from GET /tokenizer_info)")
     parser.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
@@ -124,6 +130,13 @@ def parse_rates(text: str) -> list[float]:
     if any(rate <= 0 for rate in rates):
         raise argparse.ArgumentTypeError("request rates must be positive")
     return rates
+
+
+def parse_percentiles(text: str) -> list[float]:
+    percentiles = [float(part) for part in text.split(",")]
+    if any(not 0 <= p <= 100 for p in percentiles):
+        raise argparse.ArgumentTypeError("percentiles must be in [0, 100]")
+    return sorted(percentiles)
 
 
 def parse_levels(text: str) -> list[int]:
@@ -257,24 +270,34 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict[str, Any
 
 
 async def run_scenario(client: httpx.AsyncClient, args: argparse.Namespace, server: ServerInfo,
-                       scenario: Scenario, specs: list[RequestSpec],
-                       rng: np.random.Generator) -> tuple[list[RequestRecord], float]:
-    """Send every request on its arrival schedule; the records, and the seconds from first send to last reply."""
+                       scenario: Scenario, specs: list[RequestSpec], rng: np.random.Generator,
+                       duration_s: float | None = None) -> tuple[list[RequestRecord], float]:
+    """Send every request on its arrival schedule; the records, and the seconds from first send to last reply.
+
+    With `duration_s`, a request whose turn (its arrival, then a free concurrency slot) comes later than that after
+    the start is not sent. Turns come in the specs' order (the semaphore wakes its waiters first in, first out), so
+    the records are those of the first len(records) specs.
+    """
     path = ENDPOINT_PATHS[args.endpoint]
     limit = asyncio.Semaphore(scenario.max_concurrency or len(specs))
+    start = time.perf_counter()
+    deadline = math.inf if duration_s is None else start + duration_s
 
-    async def limited(spec: RequestSpec) -> RequestRecord:
+    async def limited(spec: RequestSpec) -> RequestRecord | None:
         async with limit:
+            if time.perf_counter() > deadline:
+                return None
             return await send_request(client, path, request_body(spec, server.model, args.endpoint,
                                                                  args.ignore_eos), spec)
 
-    start = time.perf_counter()
     tasks = []
     for spec, offset in zip(specs, arrival_offsets_s(len(specs), scenario.request_rate, rng)):
+        if start + offset > deadline:
+            break
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         tasks.append(asyncio.create_task(limited(spec)))
     records = await asyncio.gather(*tasks)
-    return list(records), time.perf_counter() - start
+    return [record for record in records if record is not None], time.perf_counter() - start
 
 
 async def get_json(client: httpx.AsyncClient, path: str) -> Any:
@@ -336,8 +359,9 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServerInfo, list[dict
         for index, scenario in enumerate(scenarios):
             rng = np.random.default_rng([args.seed, index])
             specs = build_requests(args, args.num_prompts, server.vocab_size, rng)
-            records, duration_s = await run_scenario(client, args, server, scenario, specs, rng)
-            summary = summarize(records, duration_s, slos)
+            records, duration_s = await run_scenario(client, args, server, scenario, specs, rng, args.duration_s)
+            specs = specs[:len(records)]
+            summary = summarize(records, duration_s, slos, args.metric_percentiles)
             results.append({**dataclasses.asdict(scenario), **summary,
                             "per_request": request_rows(specs, records)})
             print(f"{describe(scenario)}: {summary['completed']}/{summary['requests']} completed in "
@@ -359,7 +383,8 @@ def load_axis(args: argparse.Namespace, results: list[dict[str, Any]]) -> tuple[
 
 
 def plot_latency(results: list[dict[str, Any]], axis: tuple[str, list[float]], title: str, path: Path) -> None:
-    """TTFT and TPOT p50/p99 against load, one panel each."""
+    """TTFT and TPOT at the lowest and highest percentile reported (p50, p99 by default) against load, one panel
+    each."""
     import matplotlib  # here, not at the top: only --plot needs it
 
     matplotlib.use("Agg")
@@ -370,7 +395,7 @@ def plot_latency(results: list[dict[str, Any]], axis: tuple[str, list[float]], t
     positions = loads if all(math.isfinite(x) for x in loads) else list(range(len(loads)))
     figure, panels = plt.subplots(1, 2, figsize=(11, 4.5))
     for panel, metric, name in zip(panels, ("ttft_ms", "tpot_ms"), ("TTFT", "TPOT")):
-        for percentile, style in (("p50", "o-"), ("p99", "s--")):
+        for percentile, style in zip(percentile_extremes(results), ("o-", "s--")):
             values = [r[metric][percentile] for r in results]
             panel.plot(positions, [math.nan if v is None else v for v in values], style, label=percentile)
         panel.set_xticks(positions, [f"{x:g}" for x in loads])
@@ -383,14 +408,20 @@ def plot_latency(results: list[dict[str, Any]], axis: tuple[str, list[float]], t
     plt.close(figure)
 
 
+def percentile_extremes(results: list[dict[str, Any]]) -> list[str]:
+    """The lowest and highest percentile the figures carry ("p50", "p99" by default): the ones table and plot show."""
+    keys = [key for key in results[0]["ttft_ms"] if key != "mean"]
+    return list(dict.fromkeys((keys[0], keys[-1])))
+
+
 def format_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    """One row per scenario: outcome counts, throughputs, and latency p50/p99 in ms."""
+    """One row per scenario: outcome counts, throughputs, and latency at the extreme percentiles (p50/p99) in ms."""
     latency_columns = [(metric, p) for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms")
-                       for p in ("p50", "p99")]
+                       for p in percentile_extremes(results)]
     latency_header = " ".join(f"{metric.split('_')[0].upper() + ' ' + p:>10}" for metric, p in latency_columns)
     lines = [f"{'rate':>6} {'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} "
              f"{'goodput':>7} {latency_header}"]

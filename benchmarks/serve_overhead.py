@@ -173,13 +173,15 @@ def wait_for_health(process: subprocess.Popen, base_url: str, log_path: Path) ->
 
 
 @contextlib.contextmanager
-def running_server(config: Path, log_dir: Path) -> Iterator[tuple[str, float]]:
-    """`jaxserve serve --config CONFIG` on a free loopback port; yields its base URL and start-up seconds."""
+def running_server(config: Path, log_dir: Path, *flags: str,
+                   env: dict[str, str] | None = None) -> Iterator[tuple[str, float]]:
+    """`jaxserve serve --config CONFIG [flags]` on a free loopback port (in `env`, default this process's); yields
+    its base URL and start-up seconds."""
     port = unused_port()
     log_path = log_dir / "server.log"
-    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", str(port)]
+    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", str(port), *flags]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     try:
         base_url = f"http://127.0.0.1:{port}"
         yield base_url, wait_for_health(process, base_url, log_path)

@@ -75,13 +75,14 @@ def meets_slos(record: RequestRecord, slos: SLOs) -> bool:
     return ttft_s(record) * 1e3 <= slos.ttft_ms and (tpot is None or tpot * 1e3 <= slos.tpot_ms)
 
 
-def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+def distribution_ms(values_s: Sequence[float],
+                    percentiles: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
     """Mean and percentiles (linear interpolation, as numpy and vLLM) in milliseconds; None where there is no value."""
-    keys = ["mean", *(f"p{p}" for p in PERCENTILES)]
+    keys = ["mean", *(f"p{p:g}" for p in percentiles)]
     if not values_s:
         return dict.fromkeys(keys)
     values_ms = np.asarray(values_s, dtype=np.float64) * 1e3
-    figures = [values_ms.mean(), *np.percentile(values_ms, PERCENTILES)]
+    figures = [values_ms.mean(), *np.percentile(values_ms, percentiles)]
     return {key: float(value) for key, value in zip(keys, figures)}
 
 
@@ -91,8 +92,9 @@ def error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
     return dict(counts.most_common())
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slos: SLOs) -> dict[str, Any]:
-    """Every figure of one scenario, from its request records and its wall time."""
+def summarize(records: Sequence[RequestRecord], duration_s: float, slos: SLOs,
+              percentiles: Sequence[float] = PERCENTILES) -> dict[str, Any]:
+    """Every figure of one scenario, from its request records and its wall time; latencies at `percentiles`."""
     done = [r for r in records if r.succeeded]
     prompt_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
@@ -110,8 +112,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slos: SLOs) -
         "total_token_throughput": (prompt_tokens + output_tokens) / duration_s,
         "goodput": sum(meets_slos(r, slos) for r in done) / duration_s,
         "slos": dataclasses.asdict(slos),
-        "ttft_ms": distribution_ms([ttft_s(r) for r in done]),
-        "tpot_ms": distribution_ms(tpots),
-        "itl_ms": distribution_ms([gap for r in done for gap in inter_chunk_gaps_s(r)]),
-        "e2e_latency_ms": distribution_ms([e2e_latency_s(r) for r in done]),
+        "ttft_ms": distribution_ms([ttft_s(r) for r in done], percentiles),
+        "tpot_ms": distribution_ms(tpots, percentiles),
+        "itl_ms": distribution_ms([gap for r in done for gap in inter_chunk_gaps_s(r)], percentiles),
+        "e2e_latency_ms": distribution_ms([e2e_latency_s(r) for r in done], percentiles),
     }

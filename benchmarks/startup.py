@@ -131,11 +131,9 @@ def random_model_plan(model: str, layers: int, dtype: str):
     from jaxserve.model.config import LlamaConfig
     from jaxserve.model.dtypes import parse_dtype
     from jaxserve.parallel import plan_tensor_parallel
-    from model_shapes import LLAMA3_8B_CONFIG, LLAMA3_70B_CONFIG
+    from model_shapes import model_config
 
-    shapes = {"llama-3.1-8b": LLAMA3_8B_CONFIG, "llama-3.1-70b": LLAMA3_70B_CONFIG,
-              "builtin": json.loads((BUILTIN_MODEL_DIR / "config.json").read_text())}[model]
-    cfg = LlamaConfig.from_hf_dict({**shapes, "num_hidden_layers": layers})
+    cfg = LlamaConfig.from_hf_dict({**model_config(model), "num_hidden_layers": layers})
     layout = plan_tensor_parallel(cfg, 1)
     target = parse_dtype(dtype)
     placed = abstract_params(layout.model_config, target, layout.param_sharding)

@@ -1,0 +1,92 @@
+"""The parts of benchmarks/gpu_check.py, one registry entry each: a later feature (quantized weights, speculative
+decoding) adds a module here and one Part to PARTS, not a script.
+
+A part's module defines `run(context: PartContext, **args) -> PartOutcome`. The orchestrating process never imports
+it: every part runs in a process of its own, under its time budget, so a crash, an out-of-memory or a hang costs that
+part only, and the GPU memory it claimed is freed before the next starts.
+
+Budgets are wall-clock limits in seconds, process start and JAX's import included. Each group's GPU budgets add up to
+8 minutes, so that a group, with the wheels' install before it, fits one 10-minute command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GROUPS = (1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One isolated piece of the GPU check."""
+
+    name: str  # its key in the report and in --parts
+    group: int  # which half of a whole run it belongs to (--group)
+    budget_s: float  # wall-clock limit on a GPU; past it the part's processes are ended and it is reported timed out
+    smoke_budget_s: float  # the same limit with --smoke (CPU, tiny shapes, kernels interpreted)
+    run: str  # "module:function" (a module of this package), imported in the part's own process only
+    gpu_args: dict[str, Any]  # keyword arguments of `run` on a GPU
+    smoke_args: dict[str, Any]  # keyword arguments of `run` with --smoke
+    about: str  # one line for --list and the report
+    plot: str | None = None  # the PNG it writes into the output folder, None for none
+
+
+# Engine settings (benchmarks/kernels.py's --engine flags) shared by engine_parity and engine_speed: the same
+# EngineConfig compiles the same programs, so the second part finds them in JAX's persistent compilation cache.
+# Batch 256 runs two Llama-3.1-8B engines (16 GB of weights each) in 45% of an 80 GB GPU each: 256-token prompts and a
+# 1024-token step keep each pool near 15 GB.
+ENGINE_GPU_ARGS = ["--engine-batches", "1", "64", "256", "--engine-prompt-len", "256", "--engine-batched-tokens",
+                   "1024"]
+ENGINE_SMOKE_ARGS = ["--smoke", "--engine-batches", "1", "2", "--engine-batched-tokens", "16"]  # few programs
+
+# The engine's page size: EngineConfig.block_size's default, which every preset in configs/ keeps.
+PAGE_SIZE = 16
+
+# Attention shapes of the Llama-3.1-8B kernels (32 query heads over 8 KV heads of 128) and their GQA-8 sibling.
+LLAMA_8B_DECODE = ["--batches", "64", "--contexts", "2048"]
+
+PARTS = [
+    Part("env", 1, 30, 60, "gpu_parts.env:run", {}, {},
+         "device, driver, CUDA, jax/jaxlib and package versions; every module the parts import"),
+    Part("ceilings", 1, 45, 60, "gpu_parts.ceilings:run",
+         dict(copy_mib=1024, matmul_size=8192, reps=20, warmup=3),
+         dict(copy_mib=16, matmul_size=256, reps=3, warmup=1),
+         "HBM copy bandwidth, bf16 and fp8 matmul rates, dispatch floor"),
+    Part("kernel_check", 1, 120, 120, "gpu_parts.kernel_check:run",
+         dict(kinds=["decode", "prefill", "mixed"], groups=[1, 4, 8], head_dims=[64, 128], page_sizes=[PAGE_SIZE],
+              kv_heads=8, long_len=1000),
+         dict(kinds=["decode", "prefill", "mixed"], groups=[4], head_dims=[64], page_sizes=[PAGE_SIZE], kv_heads=1,
+              long_len=40),
+         "every Pallas kernel compiled and checked against the XLA reference on random ragged batches"),
+    Part("kernel_timing", 1, 135, 120, "gpu_parts.kernel_timing:run",
+         dict(runs={"llama-3.1-8b (32/8 heads)": [*LLAMA_8B_DECODE, "--prefill-shapes", "1x2048", "16x128",
+                                                  "--prefill-priors", "0", "--reps", "10"],
+                    "GQA 8 (64/8 heads)": [*LLAMA_8B_DECODE, "--heads", "64", "--skip-prefill", "--reps", "10"]}),
+         dict(runs={"smoke": ["--smoke", "--batches", "3", "--contexts", "40", "--prefill-shapes", "2x16",
+                              "--prefill-priors", "0"]}),
+         "decode 64 x 2k and prefill against copy bandwidth / matmul rate, JAX's shipped op and XLA",
+         plot="kernels.png"),
+    Part("startup", 1, 150, 120, "gpu_parts.startup_time:run",
+         dict(args=["--model", "llama-3.1-8b", "--layers", "32", "--max-num-seqs", "64",
+                    "--max-num-batched-tokens", "8192", "--max-model-len", "8192"]),
+         dict(args=["--model", "builtin", "--layers", "2", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
+                    "--max-model-len", "64", "--dtype", "float32"]),
+         "engine start-up at the 8B preset's shapes, cold and warm compilation cache", plot="startup.png"),
+    Part("engine_parity", 2, 150, 180, "gpu_parts.engine_parity:run",
+         dict(engine_args=ENGINE_GPU_ARGS, prompts=32, new_tokens=64, min_prompt_len=16),
+         dict(engine_args=ENGINE_SMOKE_ARGS, prompts=6, new_tokens=12, min_prompt_len=4),
+         "greedy tokens of the 8B-shaped engine, attention pallas vs xla: identical, or the first divergence"),
+    Part("engine_speed", 2, 140, 180, "gpu_parts.engine_speed:run",
+         dict(args=["--engine", "--skip-kernels", *ENGINE_GPU_ARGS, "--engine-rounds", "2"]),
+         dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS]),
+         "batch-1 decode against the HBM roofline, throughput at 64 and 256 sequences, pallas vs xla",
+         plot="engine.png"),
+    Part("serve", 2, 190, 180, "gpu_parts.serving:run",
+         dict(model="llama-3.1-8b", dtype="bfloat16", config="configs/llama-3.1-8b-h100.yaml", concurrency=[16, 64],
+              seconds_per_level=30, input_len=512, output_len=128, max_prompts=4000),
+         dict(model="builtin", dtype="float32", config="configs/tiny-cpu.yaml", concurrency=[2, 4],
+              seconds_per_level=2, input_len=16, output_len=8, max_prompts=200),
+         "jaxserve serve over HTTP for 60 s (concurrency 16, then 64): TTFT and TPOT p50/p95", plot="serve.png"),
+]
+PARTS_BY_NAME = {part.name: part for part in PARTS}

@@ -1,0 +1,84 @@
+"""The engine's decode speed, by benchmarks/kernels.py --engine: a Llama-3.1-8B-shaped random bf16 model in two engine
+processes (pallas and xla attention), batch-1 decode against the HBM roofline and steady throughput at larger
+batches. Two rooflines: kernels.py's (weights plus every layer's KV pages read per step, over the copy bandwidth
+measured in the engine's process) and the weights-only one (weight bytes / copy bandwidth) that published batch-1
+figures quote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpu_parts.context import PartContext, PartOutcome, markdown_table, run_benchmark_script
+from kernels import ENGINE_BACKENDS
+
+
+def run(context: PartContext, args: list[str]) -> PartOutcome:
+    report = run_benchmark_script("kernels.py", args, context.work_dir / "engine.json")
+    engine = report["engine"]
+    rows = speed_rows(engine)
+    if context.plot is not None and rows:
+        plot(rows, context.plot)
+    figures = {"rows": rows, "weights_only_roofline": weights_only_roofline(engine), "report": report}
+    started = [backend for backend, ready in engine["ready"].items() if "error" not in ready]
+    return PartOutcome(figures, summary(figures, engine), passed=bool(rows) and len(started) == len(ENGINE_BACKENDS))
+
+
+def speed_rows(engine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per batch and backend: median step time, tokens/s and share of kernels.py's roofline."""
+    return [{"batch": int(batch), "backend": backend, **row[backend]}
+            for batch, row in engine.get("summary", {}).items() for backend in ENGINE_BACKENDS if backend in row]
+
+
+def weights_only_roofline(engine: dict[str, Any]) -> dict[str, Any]:
+    """Per backend's process: weight bytes a step reads, the copy bandwidth, and the batch-1 tokens/s they allow."""
+    roofline = {}
+    for backend, ready in engine["ready"].items():
+        if "error" not in ready:
+            bandwidth = ready["copy"]["bytes_per_s"]
+            roofline[backend] = {"weight_bytes": ready["weight_bytes_per_step"], "copy_bytes_per_s": bandwidth,
+                                 "tokens_per_s": bandwidth / ready["weight_bytes_per_step"]}
+    return roofline
+
+
+def summary(figures: dict[str, Any], engine: dict[str, Any]) -> str:
+    lines = []
+    for backend, roof in figures["weights_only_roofline"].items():
+        lines.append(f"- {backend} process: {roof['weight_bytes'] / 1e9:.2f} GB of weights per step at "
+                     f"{roof['copy_bytes_per_s'] / 1e9:.0f} GB/s: weights-only roofline {roof['tokens_per_s']:.0f} "
+                     f"tok/s at batch 1")
+    for backend, ready in engine["ready"].items():
+        if "error" in ready:
+            lines.append(f"- {backend} engine failed to start: {ready['error'][:300]}")
+    for batch, row in engine.get("summary", {}).items():
+        if "pallas_vs_xla" in row:
+            lines.append(f"- batch {batch}: pallas / xla tokens/s {row['pallas_vs_xla']:.2f}x")
+    rows = [[r["batch"], r["backend"], f"{r['step_s'] * 1e3:.2f}", f"{r['tokens_per_s']:.1f}",
+             f"{r['roofline_step_s'] * 1e3:.2f}", f"{r['fraction_of_roofline']:.0%}"] for r in figures["rows"]]
+    return "\n".join(lines) + "\n\n" + markdown_table(
+        ["batch", "backend", "ms/step", "tok/s", "roofline ms (weights + KV)", "of roofline"], rows)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Tokens/s per batch, one bar per backend, each labelled with its share of the roofline."""
+    import matplotlib  # here: only the plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({row["batch"] for row in rows})
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    width = 0.8 / len(ENGINE_BACKENDS)
+    for offset, backend in enumerate(ENGINE_BACKENDS):
+        mine = {row["batch"]: row for row in rows if row["backend"] == backend}
+        positions = [i + offset * width for i, batch in enumerate(batches) if batch in mine]
+        bars = axes.bar(positions, [mine[b]["tokens_per_s"] for b in batches if b in mine], width, label=backend)
+        axes.bar_label(bars, [f"{mine[b]['fraction_of_roofline']:.0%}" for b in batches if b in mine], fontsize=8)
+    axes.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))], [f"batch {b}" for b in batches])
+    axes.set_yscale("log")
+    axes.set_ylabel("decode tokens/s (label: share of the HBM roofline)")
+    axes.set_title("engine decode, random weights: pallas vs xla attention")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,140 @@
+"""benchmarks/gpu_check.py: its registry fits two 10-minute commands and a flat, small results folder; a --smoke run on
+the CPU, in its two groups, passes every part and merges both into one report; a part that fails or hangs is
+reported while the others still run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import gpu_check  # noqa: E402
+from gpu_parts import GROUPS, PARTS, PARTS_BY_NAME  # noqa: E402
+from gpu_parts.env import parse_gpu_rows  # noqa: E402
+from gpu_parts.kernel_check import Case, kernel_variant, ragged_batch  # noqa: E402
+from gpu_parts.isolation import GRACE_S  # noqa: E402
+from gpu_parts.report import COMBINED_LOG, REPORT_JSON, REPORT_MARKDOWN  # noqa: E402
+
+COMMAND_LIMIT_S = 10 * 60
+SETUP_ALLOWANCE_S = 90  # installing the carried wheels and starting, before the first part
+MAX_OUT_FILES = 8  # results are collected from a flat folder of at most this many files
+OUT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+SMOKE_TIMEOUT_S = 900  # about 90 s on an idle 2-core machine with a warm compilation cache
+PNG_MAGIC = b"\x89PNG"
+
+
+def test_each_group_fits_one_ten_minute_command_even_if_every_part_times_out():
+    assert {part.group for part in PARTS} == set(GROUPS)
+    assert len({part.name for part in PARTS}) == len(PARTS)
+    for group in GROUPS:
+        parts = [part for part in PARTS if part.group == group]
+        worst_s = sum(part.budget_s + GRACE_S for part in parts)
+        assert worst_s + SETUP_ALLOWANCE_S < COMMAND_LIMIT_S, (group, worst_s)
+
+
+def test_results_folder_stays_flat_small_and_plainly_named():
+    names = [REPORT_JSON, REPORT_MARKDOWN, COMBINED_LOG] + [part.plot for part in PARTS if part.plot]
+    assert len(set(names)) == len(names) <= MAX_OUT_FILES
+    assert all(OUT_NAME.match(name) for name in names)
+
+
+def test_listing_names_every_part_and_each_groups_budget():
+    text = gpu_check.listing()
+    assert all(part.name in text for part in PARTS)
+    assert "group 1: 480 s" in text and "group 2: 480 s" in text
+
+
+def test_nvidia_smi_query_rows_parse_into_named_fields():
+    rows = parse_gpu_rows("NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB, 1980 MHz, 2619 MHz, 700.00 W, "
+                          "00000000:00:05.0\n\n")
+    assert rows == [{"name": "NVIDIA H100 80GB HBM3", "driver_version": "580.159.04", "memory.total": "81559 MiB",
+                     "clocks.max.sm": "1980 MHz", "clocks.max.memory": "2619 MHz", "power.limit": "700.00 W",
+                     "pci.bus_id": "00000000:00:05.0"}]
+
+
+def test_every_kernel_check_case_of_the_gpu_run_lowers_for_an_h100():
+    """The Pallas-to-Triton lowering of each case kernel_check compiles on a GPU passes here, on the CPU, so a GPU run
+    spends its budget on checking the kernels rather than on cases that cannot lower."""
+    from kernels import build_inputs
+    from tests.cuda_lowering import export_for_h100, triton_calls
+
+    grid = PARTS_BY_NAME["kernel_check"].gpu_args
+    for kind, group, head_dim, page in itertools.product(grid["kinds"], grid["groups"], grid["head_dims"],
+                                                          grid["page_sizes"]):
+        case = Case(kind, group, head_dim, page, grid["kv_heads"])
+        batch = ragged_batch(kind, page, grid["long_len"])
+        variant = kernel_variant(case, batch, interpret=False)
+        inputs = jax.eval_shape(lambda: build_inputs(batch, case.shape, rotate_bytes=0, seed=0)[0])
+        exported = export_for_h100(variant.run, *jax.eval_shape(variant.arguments, inputs))
+        assert triton_calls(exported) >= 1, case.label
+
+
+def run_gpu_check(out: Path, work: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--smoke", "--out", str(out),
+                           "--work-dir", str(work), *flags], capture_output=True, text=True, cwd=REPO,
+                          timeout=SMOKE_TIMEOUT_S)
+
+
+def assert_figures_of_every_part(parts: dict) -> None:
+    figures = {name: entry["outcome"]["figures"] for name, entry in parts.items()}
+    assert figures["env"]["machine"]["jax_backend"] == "cpu" and figures["env"]["packages"]["jax"]
+    for ceiling in ("matmul_bf16", "matmul_fp8"):
+        assert figures["ceilings"][ceiling]["flops_per_s"] > 0
+    assert figures["ceilings"]["copy"]["bytes_per_s"] > 0
+    cases = figures["kernel_check"]["cases"]
+    assert figures["kernel_check"]["interpret"] and {case["kind"] for case in cases} == {"decode", "prefill", "mixed"}
+    assert all(case["passed"] and case["kernel_rel_error"] < 0.02 for case in cases)
+    assert {row["grid"] for row in figures["kernel_timing"]["points"]} == {"decode", "prefill"}
+    assert all(row["pallas_fraction"] > 0 for row in figures["kernel_timing"]["points"])
+    assert [r["cache"] for r in figures["startup"]["report"]["results"]] == ["cold", "warm"]
+    assert figures["engine_parity"]["identical"] and figures["engine_parity"]["first_divergence"] is None
+    assert {(row["batch"], row["backend"]) for row in figures["engine_speed"]["rows"]} == {
+        (batch, backend) for batch in (1, 2) for backend in ("pallas", "xla")}
+    for level in figures["serve"]["levels"]:
+        assert level["completed"] > 0 and level["failed"] == 0 and level["ttft_ms"]["p95"] > 0
+
+
+@pytest.mark.slow
+def test_smoke_run_in_two_groups_passes_every_part_into_one_report(tmp_path):
+    out, work = tmp_path / "results", tmp_path / "work"
+    for group in GROUPS:
+        done = run_gpu_check(out, work, "--group", str(group))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / REPORT_JSON).read_text())
+    assert list(report["parts"]) == [part.name for part in PARTS]
+    for name, entry in report["parts"].items():
+        assert entry["status"] == "ok", (name, entry.get("error"), entry.get("log_tail"))
+        assert entry["seconds"] <= entry["budget_s"] and entry["outcome"]["summary"]
+    assert_figures_of_every_part(report["parts"])
+    assert [run["parts"] for run in report["runs"]] == [[p.name for p in PARTS if p.group == g] for g in GROUPS]
+    assert all(run["finished_at"] and run["revision"]["source_sha256"] for run in report["runs"])
+    files = sorted(path.name for path in out.iterdir())
+    assert files == sorted([REPORT_JSON, REPORT_MARKDOWN, COMBINED_LOG] + [p.plot for p in PARTS if p.plot])
+    assert all((out / part.plot).read_bytes().startswith(PNG_MAGIC) for part in PARTS if part.plot)
+    markdown = (out / REPORT_MARKDOWN).read_text()
+    assert all(f"## {part.name}" in markdown and f"| {part.name} | {part.group} | ok |" in markdown for part in PARTS)
+
+
+@pytest.mark.slow
+def test_a_failing_and_a_hanging_part_are_reported_while_the_others_still_run(tmp_path):
+    out = tmp_path / "results"
+    done = run_gpu_check(out, tmp_path / "work", "--parts", "env,ceilings,startup", "--inject-fault", "env=raise",
+                         "--inject-fault", "startup=hang", "--budget", "startup=3")
+    assert done.returncode == 1, done.stdout + done.stderr
+    parts = json.loads((out / REPORT_JSON).read_text())["parts"]
+    assert parts["env"]["status"] == "error" and "fault injected into part env" in parts["env"]["log_tail"]
+    assert parts["ceilings"]["status"] == "ok"
+    assert parts["startup"]["status"] == "timeout" and parts["startup"]["seconds"] < 3 + GRACE_S + 5
+    markdown = (out / REPORT_MARKDOWN).read_text()
+    assert "| env | 1 | **error** |" in markdown and "| startup | 1 | **timeout** |" in markdown
+    assert "fault injected into part env" in (out / COMBINED_LOG).read_text()

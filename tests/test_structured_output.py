@@ -4,6 +4,8 @@ untouched beside constrained ones, nothing compiles after warm-up, and bad const
 
 import json
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jsonschema
@@ -110,3 +112,12 @@ def test_structured_outputs_params_take_exactly_one_valid_constraint(keywords):
     with pytest.raises(InvalidRequestError) as refused:
         StructuredOutputsParams(**keywords)
     assert refused.value.param == "structured_outputs"
+
+
+def test_the_mask_benchmark_runs_on_a_synthetic_vocabulary():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import structured_output
+
+    result = structured_output.measure_masks(structured_output.parse_args(["--seqs", "3", "--vocab", "3000",
+                                                                            "--steps", "4"]))
+    assert result["seqs"] == 3 and result["mask_ms_per_step_median"] > 0

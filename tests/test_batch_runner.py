@@ -63,3 +63,19 @@ def test_bodies_validate_as_the_official_types_and_match_llm_generate(tiny_llm, 
         assert choice.message.role == "assistant"
         for entry in choice.logprobs.content:
             assert entry.token in [t.token for t in entry.top_logprobs] and len(entry.top_logprobs) <= 3
+
+
+def test_bad_tools_and_constraints_are_refused_by_name_and_spare_the_rest(tiny_llm, tmp_path):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    frob_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}
+    lines = [_line("tool", "/v1/chat/completions", {**chat, "tools": [frob_tool]}),
+             _line("regex", "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_regex": "a(b"}),
+             _line("fine", "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_regex": "ab"})]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    assert run_batch(tiny_llm, source, target, "tiny") == (1, 2)
+    results = {r["custom_id"]: r["response"] for r in map(json.loads, target.read_text().splitlines())}
+    assert results["tool"]["body"]["error"]["param"] == "tools"
+    assert "tools[0].function.parameters" in results["tool"]["body"]["error"]["message"]
+    assert results["regex"]["body"]["error"]["param"] == "guided_regex"
+    assert results["fine"]["body"]["choices"][0]["text"] == "ab"

@@ -247,3 +247,16 @@ def test_flatten_rejects_other_shapes(messages, complaint):
 def test_render_validates_messages():
     with pytest.raises(TokenizerError, match="message 1"):
         ChatTemplate("x").render([{"role": "user"}, "not a message"])
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["no_tools", "tools"])
+def test_builtin_template_renders_tool_conversations_like_transformers(reference, tools, add_generation_prompt):
+    ours = load_tokenizer(BUILTIN_DIR)
+    expected = reference.apply_chat_template(TOOL_CONVERSATION, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(TOOL_CONVERSATION, add_generation_prompt=add_generation_prompt,
+                                    tools=tools) == expected
+    assert ('{"name": "get_weather", "parameters": {"city": "Zürich"}}' in expected) and (
+        ("Environment: ipython" in expected) == (tools is not None))

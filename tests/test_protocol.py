@@ -24,7 +24,7 @@ def test_refused_fields_take_only_values_that_ask_for_nothing(model, base):
             parse_body(model, json.dumps({**base, name: neutral}))
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("best_of", 2), ("suffix", "x"),
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("best_of", 2), ("suffix", "x"),
                                           ("guided_decoding_backend", "xgrammar"), ("priority", 3),
                                           ("use_beam_search", True), ("service_tier", "flex")])
 def test_a_refused_field_asking_for_something_is_named(field, value):

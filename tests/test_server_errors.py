@@ -40,6 +40,10 @@ def _chat(**fields):
     return {"model": MODEL, "messages": HI, "max_tokens": 2, **fields}
 
 
+def _tool(name, parameters=None):
+    return {"type": "function", "function": {"name": name, **({"parameters": parameters} if parameters else {})}}
+
+
 # (name, method, path, body: a dict sent as JSON or bytes sent as they are, status, param)
 BAD_REQUESTS = [
     ("malformed JSON", "POST", COMPLETIONS, b'{"prompt": "Hello", ', 400, None),
@@ -96,8 +100,30 @@ BAD_REQUESTS = [
     ("detokenize not ids", "POST", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ("an unknown field", "POST", COMPLETIONS, _completion(temprature=0.5), 400, "temprature"),
     ("an unknown chat field", "POST", CHAT, _chat(frobnicate=True), 400, "frobnicate"),
-    ("tools (not implemented yet)", "POST", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-     400, "tools"),
+    ("the deprecated functions", "POST", CHAT, _chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("a tool without a function", "POST", CHAT, _chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("a tool named with a space", "POST", CHAT, _chat(tools=[_tool("get weather")]), 400, "tools"),
+    ("two tools of one name", "POST", CHAT, _chat(tools=[_tool("f"), _tool("f")]), 400, "tools"),
+    ("a tool whose parameters are not a schema", "POST", CHAT, _chat(tools=[_tool("f", {"type": "frob"})]), 400,
+     "tools"),
+    ("tool_choice required without tools", "POST", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    ("tool_choice naming no tool", "POST", CHAT,
+     _chat(tools=[_tool("f")], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    ("tool_choice of an unknown kind", "POST", CHAT, _chat(tools=[_tool("f")], tool_choice="always"), 400,
+     "tool_choice"),
+    ("forced calls and a response_format", "POST", CHAT,
+     _chat(tools=[_tool("f")], tool_choice="required", response_format={"type": "json_object"}), 400, "tool_choice"),
+    ("a tool message without tool_call_id", "POST", CHAT,
+     _chat(messages=[{"role": "user", "content": "Hi"}, {"role": "tool", "content": "x"}]), 400, "messages"),
+    ("a call whose arguments are not JSON", "POST", CHAT, _chat(messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f",
+                                                                                          "arguments": "{x"}}]}]),
+     400, "messages"),
+    ("calls on a user message", "POST", CHAT, _chat(messages=[
+        {"role": "user", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f",
+                                                                                    "arguments": "{}"}}]}]),
+     400, "messages"),
     ("response_format with an invalid schema", "POST", CHAT,
      _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}), 400,
      "response_format"),
@@ -122,8 +148,6 @@ BAD_REQUESTS = [
      "stream_options"),
     ("stream_options without stream", "POST", COMPLETIONS, _completion(stream_options={"include_usage": True}), 400,
      "stream_options"),
-    ("a tool message", "POST", CHAT, _chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), 400,
-     "messages"),
     ("an unknown role", "POST", CHAT, _chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "messages"),
     ("max_tokens past the context", "POST", COMPLETIONS, _completion(max_tokens=10_000), 400, "max_tokens"),
     ("max_completion_tokens past the context", "POST", CHAT, _chat(max_completion_tokens=10_000), 400,

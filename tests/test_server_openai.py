@@ -4,7 +4,7 @@ logprobs, lm-evaluation-harness's scoring request and the tokenizer routes. Gree
 
 import json
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 import httpx
 import openai
@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.entrypoints.openai_body import completion_logprobs
+from jaxserve.entrypoints.protocol import ToolDefinition
 from jaxserve.entrypoints.protocol_responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
                                                      CompletionResponse, DetokenizeResponse, ErrorResponse, ModelCard,
                                                      ModelList, TokenizeResponse)
@@ -26,6 +27,8 @@ MODEL = "jaxserve-builtin"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One."}]}]
+SMALL_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
 LOGPROB_TOLERANCE = 1e-4  # the server batches prompts differently from the oracle: float32 sums may differ a little
 
 
@@ -304,6 +307,10 @@ DECLARED_ANSWERS = [
      ChatCompletionResponse),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "stream": True,
                               "stream_options": {"include_usage": True}}, ChatCompletionChunk),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 30, "tools": [SMALL_TOOL], "tool_choice": "required"},
+     ChatCompletionResponse),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 30, "tools": [SMALL_TOOL], "tool_choice": "required",
+                              "stream": True}, ChatCompletionChunk),
     ("/tokenize", {"prompt": PROMPT}, TokenizeResponse),
     ("/tokenize", {"messages": CHAT}, TokenizeResponse),
     ("/detokenize", {"tokens": [5, 6, 7]}, DetokenizeResponse),
@@ -364,3 +371,55 @@ def test_json_object_and_vllm_structured_outputs(client):
     coded = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
                                       extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
     assert re.fullmatch("[A-Z]{3}-[0-9]{2}", coded.choices[0].text)
+
+
+# --- tool calls --------------------------------------------------------------------------------------------------
+
+
+class Weather(pydantic.BaseModel):
+    city: Literal["Paris", "Oslo"]
+    days: Annotated[int, pydantic.Field(ge=1, le=7)]
+
+
+WEATHER_TOOL = openai.pydantic_function_tool(Weather)
+# The server renders a tool in its declared field order (type, function: name, description, parameters, strict).
+RENDERED_TOOL = ToolDefinition.model_validate(WEATHER_TOOL).model_dump(exclude_none=True)
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def test_a_forced_call_parses_into_the_pydantic_model_and_the_conversation_goes_on(client, oracle):
+    completion = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[WEATHER_TOOL], tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=60, temperature=0)
+    choice = completion.choices[0]
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.function.name == "Weather" and isinstance(call.function.parsed_arguments, Weather)
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call.id)
+    history = [*ASK, {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function", "function": {
+        "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], tool_choice="none",
+                                            max_tokens=8, temperature=0)
+    expected = oracle.chat(history, _greedy(8), use_tqdm=False, tools=[RENDERED_TOOL])[0].outputs[0].text
+    assert answer.choices[0].message.content == expected and answer.choices[0].message.tool_calls is None
+
+
+def test_streamed_calls_accumulate_to_the_calls_answered_whole(client):
+    request = {"model": MODEL, "messages": ASK, "tools": [WEATHER_TOOL], "temperature": 1.0, "seed": 11,
+               "max_tokens": 60, "tool_choice": {"type": "function", "function": {"name": "Weather"}}}
+    whole = client.chat.completions.create(**request).choices[0]
+    with client.chat.completions.stream(**request) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == whole.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert Weather.model_validate_json(whole.message.tool_calls[0].function.arguments)
+
+
+def test_with_tool_choice_auto_plain_text_stays_content(client, oracle):
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL], max_tokens=8,
+                                            temperature=0).choices[0]
+    expected = oracle.chat(ASK, _greedy(8), use_tqdm=False, tools=[RENDERED_TOOL])[0].outputs[0]
+    assert not expected.text.lstrip().startswith("{")
+    assert (answer.message.content, answer.message.tool_calls, answer.finish_reason) == (expected.text, None,
+                                                                                         expected.finish_reason)

@@ -184,7 +184,7 @@ def test_openapi_lists_every_route_of_the_app(tiny_llm):
         "$ref": "#/components/schemas/CompletionResponse"}
     body = document["components"]["schemas"]["ChatCompletionRequestBody"]
     assert body["additionalProperties"] is False and "messages" in body["required"]
-    assert body["properties"]["tools"]["x-jaxserve-refused"]
+    assert body["properties"]["functions"]["x-jaxserve-refused"]
 
 
 def test_several_served_names_are_listed_and_accepted(tiny_llm):

@@ -28,13 +28,36 @@ LLAMA3_SPLIT_PATTERN = (
     r"|\s+(?!\S)|\s+"
 )
 
-# Meta Llama 3 Instruct's chat template, verbatim.
-LLAMA3_CHAT_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
-    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
+# Meta Llama 3 Instruct's chat template, extended with Llama 3.1's JSON tool calling: without tools it renders
+# exactly as Meta's; with tools, a system turn lists them and asks for calls as {"name": ..., "parameters": ...},
+# assistant calls are written that way (several joined by "; ") and tool results come back as ipython turns.
+LLAMA3_CHAT_TEMPLATE = """{{- bos_token }}
+{%- if tools %}
+    {{- '<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n' }}
+    {{- 'To call a function, answer with a JSON object {"name": function name, "parameters": its arguments}.\n\n' }}
+    {%- for tool in tools %}
+        {{- tool | tojson + '\n\n' }}
+    {%- endfor %}
+    {{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'tool' %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}
+        {{- (message.content if message.content is string else message.content | tojson) + '<|eot_id|>' }}
+    {%- elif message.tool_calls is defined %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+        {%- for call in message.tool_calls %}
+            {{- '{"name": "' + call.function.name + '", "parameters": ' + call.function.arguments | tojson + '}' }}
+            {%- if not loop.last %}{{- '; ' }}{%- endif %}
+        {%- endfor %}
+        {{- '<|eot_id|>' }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}"""
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.",

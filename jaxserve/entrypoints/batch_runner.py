@@ -15,10 +15,11 @@ from typing import Any
 
 from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.entrypoints.openai_body import (chat_completion_body, completion_body, default_max_tokens, error_body,
-                                              sampling_params_from_body)
+from jaxserve.entrypoints.openai_body import (chat_completion_body, check_output_constraint, completion_body,
+                                              default_max_tokens, error_body, sampling_params_from_body)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, completion_prompt, is_prompt_list
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body
+from jaxserve.entrypoints.tool_calls import ToolCalling, check_tool_schemas, tool_calling_from_body
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -36,6 +37,7 @@ class BatchItem:
     prompt: TokenizedPrompt | None  # None when the line is invalid
     params: SamplingParams | None  # None when the line is invalid
     error: dict[str, Any] | None  # OpenAI error body for an invalid line
+    tool_calling: ToolCalling | None = None  # a chat request's tools and how they may be called
 
 
 def run_batch(llm: LLM, input_path: Path, output_path: Path, model_name: str) -> tuple[int, int]:
@@ -78,12 +80,17 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
             if body.get(unanswerable):
                 raise InvalidRequestError(f"{unanswerable} is not supported by run-batch, which writes each whole "
                                           "response as one line", param=unanswerable)
-        prompt = (chat_prompt(llm.tokenizer, body["messages"], body.get("add_generation_prompt", True)) if chat
+        tool_calling = tool_calling_from_body(body) if chat else None
+        if tool_calling is not None:
+            check_tool_schemas(tool_calling, llm.engine.grammars)
+        prompt = (chat_prompt(llm.tokenizer, body["messages"], body.get("add_generation_prompt", True),
+                              tools=tool_calling.tools if tool_calling is not None else None) if chat
                   else _completion_prompt(llm, body))
         check_prompt_tokens(prompt.token_ids, vocab_size=llm.model.config.vocab_size, max_model_len=llm.max_model_len)
         params = sampling_params_from_body(body, chat, default_max_tokens=default_max_tokens(
-            chat, len(prompt.token_ids), llm.max_model_len))
-        return BatchItem(custom_id, chat, prompt, params, None)
+            chat, len(prompt.token_ids), llm.max_model_len), tool_calling=tool_calling)
+        check_output_constraint(params, body, llm.engine.grammars, tool_calling)
+        return BatchItem(custom_id, chat, prompt, params, None, tool_calling)
     except json.JSONDecodeError as e:
         return BatchItem(custom_id, False, None, None, error_body(f"line {number} is not valid JSON: {e.msg}"))
     except JaxserveError as e:
@@ -102,7 +109,8 @@ def _result_line(item: BatchItem, result, model_name: str, tokenizer: Tokenizer)
     if item.error is not None:
         response = {"status_code": 400, "request_id": request_id, "body": item.error}
     else:
-        body = (chat_completion_body(result, model_name, item.params.logprobs or 0, tokenizer) if item.chat
+        body = (chat_completion_body(result, model_name, item.params.logprobs or 0, tokenizer, item.tool_calling)
+                if item.chat
                 else completion_body([result], model_name))
         response = {"status_code": 200, "request_id": request_id, "body": body}
     return {"id": request_id, "custom_id": item.custom_id, "response": response, "error": None}

@@ -92,10 +92,12 @@ class LLM:
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-             ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation (a list of messages) or to a list of them."""
-        tokenized = [chat_prompt(self.tokenizer, conversation, add_generation_prompt, **(chat_template_kwargs or {}))
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation (a list of messages) or to a list of them; `tools`
+        (OpenAI's tool definitions) reach the template, as in vLLM (the answers are not read for calls here)."""
+        tokenized = [chat_prompt(self.tokenizer, conversation, add_generation_prompt,
+                                 **{"tools": tools, **(chat_template_kwargs or {})})
                      for conversation in _as_conversations(messages)]
         return self._run(tokenized, params_per_prompt(sampling_params, len(tokenized)), use_tqdm)
 

@@ -15,6 +15,7 @@ from typing import Any
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.entrypoints.tool_calls import ToolCalling, parse_answer, tool_calls_body
 from jaxserve.structured_outputs import StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
 
@@ -25,8 +26,10 @@ _PASSED_THROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "prese
 OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint generates when max_tokens is absent
 
 
-def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_tokens: int) -> SamplingParams:
-    """SamplingParams of a completions (chat=False) or chat completions body; InvalidRequestError names the field."""
+def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_tokens: int,
+                              tool_calling: ToolCalling | None = None) -> SamplingParams:
+    """SamplingParams of a completions (chat=False) or chat completions body (with its `tool_calling`, which may
+    force calls); InvalidRequestError names the field."""
     kwargs = {name: body[name] for name in _PASSED_THROUGH if body.get(name) is not None}
     # SamplingParams fields that chat bodies spell otherwise, so that errors name the field the client sent.
     spelled = {"logprobs": "top_logprobs"} if chat else {}
@@ -46,7 +49,7 @@ def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_toke
     logprobs = _requested_logprobs(body, chat)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
-    constraint, field = structured_outputs_from_body(body)
+    constraint, field = structured_outputs_from_body(body, tool_calling)
     if constraint is not None:
         kwargs["structured_outputs"] = constraint
         spelled["structured_outputs"] = field
@@ -61,14 +64,19 @@ def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_toke
         raise InvalidRequestError(f"a sampling field has the wrong type: {e}") from None
 
 
-def structured_outputs_from_body(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
-    """The body's output constraint and the field that gave it; more than one constraining field is a 400."""
+def structured_outputs_from_body(body: dict[str, Any], tool_calling: ToolCalling | None = None,
+                                 ) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The body's output constraint and the field that gave it (tool_choice when it forces calls); more than one
+    constraining field is a 400."""
     given = {}
     for field, keywords_of in _CONSTRAINT_FIELDS.items():
         if body.get(field) is not None:
             keywords = keywords_of(body[field])
             if keywords is not None:
                 given[field] = keywords
+    forced_calls = tool_calling.constraint() if tool_calling is not None else None
+    if forced_calls is not None:
+        given["tool_choice"] = {"grammar": forced_calls.grammar}
     if len(given) > 1:
         second = list(given)[1]
         raise InvalidRequestError(f"{second} cannot be combined with {list(given)[0]}: a request takes one output "
@@ -80,6 +88,18 @@ def structured_outputs_from_body(body: dict[str, Any]) -> tuple[StructuredOutput
         return StructuredOutputsParams(**keywords), field
     except InvalidRequestError as error:
         raise InvalidRequestError(str(error), param=field) from None
+
+
+def check_output_constraint(params: SamplingParams, body: dict[str, Any], grammars: Any,
+                            tool_calling: ToolCalling | None = None) -> None:
+    """The request's output constraint compiled by `grammars` (the engine's GrammarCompiler) before the request
+    reaches the engine, so an invalid schema, regex or grammar is a 400 naming the field that gave it."""
+    if params.structured_outputs is None:
+        return
+    try:
+        grammars.check(params.structured_outputs)
+    except InvalidRequestError as error:
+        raise InvalidRequestError(str(error), param=structured_outputs_from_body(body, tool_calling)[1]) from None
 
 
 def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:
@@ -176,18 +196,37 @@ def _completion_choice(output: RequestOutput, completion: CompletionOutput, inde
             "stop_reason": completion.stop_reason}
 
 
-def chat_completion_body(output: RequestOutput, model: str, num_top: int, tokenizer: Tokenizer) -> dict[str, Any]:
-    """The /v1/chat/completions response for one conversation's result; `num_top`: the top_logprobs asked for."""
+def chat_completion_body(output: RequestOutput, model: str, num_top: int, tokenizer: Tokenizer,
+                         tool_calling: ToolCalling | None = None) -> dict[str, Any]:
+    """The /v1/chat/completions response for one conversation's result; `num_top`: the top_logprobs asked for;
+    with `tool_calling` (tool_choice other than none), answers that call tools come back as tool_calls."""
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        "choices": [{"index": c.index, **_chat_message(c, tool_calling),
                      "logprobs": chat_logprobs(c.token_ids, c.logprobs, num_top, tokenizer),
-                     "finish_reason": c.finish_reason,
                      "stop_reason": c.stop_reason}
                     for c in output.outputs],
         "usage": usage([output]),
     }
+
+
+def _chat_message(completion: CompletionOutput, tool_calling: ToolCalling | None) -> dict[str, Any]:
+    """A choice's message and finish reason."""
+    if tool_calling is None or tool_calling.choice == "none":
+        return {"message": {"role": "assistant", "content": completion.text},
+                "finish_reason": completion.finish_reason}
+    answer = parse_answer(completion.text, tool_calling)
+    content = "".join(answer.content)
+    message = {"role": "assistant", "content": content if content or not answer.calls else None}
+    if answer.calls:
+        message["tool_calls"] = tool_calls_body(answer.calls)
+    return {"message": message, "finish_reason": tool_finish_reason(completion.finish_reason, bool(answer.calls))}
+
+
+def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an answer that ended by itself after calling tools."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:

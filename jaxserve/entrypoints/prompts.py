@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.prompt_checks import EMPTY_PROMPT
+from jaxserve.entrypoints.tool_calls import template_messages
 from jaxserve.errors import InvalidRequestError, TokenizerError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer, flatten_text_content
@@ -83,14 +84,15 @@ def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool, param
 
 def chat_prompt(tokenizer: Tokenizer, messages: Any, add_generation_prompt: bool = True,
                 **template_variables: Any) -> TokenizedPrompt:
-    """A conversation rendered by the model's chat template (text parts joined), then tokenized.
+    """A conversation rendered by the model's chat template (text parts joined, tool calls' arguments as objects),
+    then tokenized; `template_variables` (tools, ...) reach the template.
 
     The template writes BOS itself, so encoding adds no special tokens: adding them again would double BOS.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
     try:
-        text = tokenizer.apply_chat_template(flatten_text_content(messages),
+        text = tokenizer.apply_chat_template(template_messages(flatten_text_content(messages)),
                                              add_generation_prompt=add_generation_prompt, **template_variables)
     except TokenizerError as e:  # a message the template or its content parts cannot take
         raise InvalidRequestError(str(e), param="messages") from None

@@ -26,7 +26,7 @@ from jaxserve.sampling_params import BOUNDS
 
 REFUSED, NEUTRAL = "x-jaxserve-refused", "x-jaxserve-neutral"  # a refused field's schema keys
 NOT_YET = "not implemented yet"
-TOOLS_REASON = "tool calls are not implemented yet"
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,19 +115,57 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str = Field(description="the function called")
+    arguments: str = Field(description="its arguments: a JSON object, as text")
+
+
+class ToolCall(_Body):
+    """A call an assistant message made, as the server answered it."""
+
+    id: str = Field(description="the call's id, which the tool message answering it names")
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     """One message of a conversation; the model's chat template renders them."""
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="who speaks (tool messages come with tool calls, which are not implemented yet)")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="who speaks (tool: a tool's result, answering an assistant's call)")
     content: str | list[TextPart] | None = Field(None, description="text, or text parts joined by newlines (the "
                                                  "served model reads text only)")
     name: str | None = Field(None, description="the speaker's name, passed to the chat template")
-    tool_calls: list[dict[str, Any]] | None = _refused(TOOLS_REASON, [])
-    tool_call_id: str | None = _refused(TOOLS_REASON)
-    function_call: dict[str, Any] | None = _refused(TOOLS_REASON)
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant messages: the calls it made, rendered "
+                                              "by the chat template")
+    tool_call_id: str | None = Field(None, description="tool messages (where it is required): the call answered")
+    function_call: dict[str, Any] | None = _refused("the deprecated function_call is not implemented: use "
+                                                    "tool_calls")
     refusal: str | None = _refused("assistant refusals are an OpenAI-side feature")
     reasoning_content: str | None = _refused("reasoning models are " + NOT_YET)
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=FUNCTION_NAME, description="letters, digits, _ and -, at most 64")
+    description: str | None = Field(None, description="what the function does, for the model to read")
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of its arguments (absent: any "
+                                              "object)")
+    strict: bool | None = Field(None, description="accepted: forced calls (tool_choice required or a named "
+                                "function) always match the schema")
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Sampling(_Body):
@@ -212,12 +250,15 @@ class ChatCompletionRequestBody(_Sampling):
     max_completion_tokens: int | None = _bounded("max_tokens", "most tokens to generate (wins over max_tokens)")
     add_generation_prompt: bool | None = Field(None, description="end the rendered prompt with the assistant's "
                                                "header (default true)")
-    tools: list[dict[str, Any]] | None = _refused(TOOLS_REASON, [])
-    tool_choice: str | dict[str, Any] | None = _refused(TOOLS_REASON, "none", "auto")
-    parallel_tool_calls: bool | None = _refused(TOOLS_REASON, True, False, description="only means something with "
-                                                "tools")
-    functions: list[dict[str, Any]] | None = _refused(TOOLS_REASON, [])
-    function_call: str | dict[str, Any] | None = _refused(TOOLS_REASON, "none", "auto")
+    tools: list[ToolDefinition] | None = Field(None, description="functions the model may call, rendered by the "
+                                               "chat template")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools: the model decides), required (at least one call) "
+        "or a named function (one call of it); required and named calls are enforced by a grammar")
+    parallel_tool_calls: bool | None = Field(None, description="more than one call per answer (default true)")
+    functions: list[dict[str, Any]] | None = _refused("the deprecated functions are not implemented: use tools", [])
+    function_call: str | dict[str, Any] | None = _refused("the deprecated function_call is not implemented: use "
+                                                          "tool_choice", "none", "auto")
     audio: dict[str, Any] | None = _refused("the served model reads and writes text only")
     modalities: list[str] | None = _refused("the served model writes text only", ["text"])
     prediction: dict[str, Any] | None = _refused("predicted outputs are " + NOT_YET)
@@ -253,6 +294,7 @@ class TokenizeChatBody(_Body):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool | None = Field(None, description="end with the assistant's header (default true)")
+    tools: list[ToolDefinition] | None = Field(None, description="functions the chat template renders")
 
 
 class DetokenizeBody(_Body):

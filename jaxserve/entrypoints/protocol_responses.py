@@ -76,16 +76,31 @@ class ChatChoiceLogprobs(_Answer):
     content: list[ChatLogprob] | None
 
 
+class CalledFunction(_Answer):
+    name: str
+    arguments: str = Field(description="a JSON object, as the model wrote it")
+
+
+class ToolCallMade(_Answer):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(_Answer):
     role: Literal["assistant"]
-    content: str | None
+    content: str | None = Field(description="null when the answer is tool calls alone")
+    tool_calls: list[ToolCallMade] | None = Field(None, description="with tools: the calls the answer made")
+
+
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(_Answer):
     index: int
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: ChatFinishReason | None
     stop_reason: int | str | None
 
 
@@ -100,16 +115,29 @@ class ChatCompletionResponse(_Answer):
     usage: Usage
 
 
+class FunctionDelta(_Answer):
+    name: str | None = Field(None, description="in the call's first event")
+    arguments: str | None = Field(None, description="the next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(_Answer):
+    index: int = Field(description="which of the answer's calls grew")
+    id: str | None = Field(None, description="in the call's first event")
+    type: Literal["function"] | None = Field(None, description="in the call's first event")
+    function: FunctionDelta
+
+
 class ChatDelta(_Answer):
     role: Literal["assistant"] | None = Field(None, description="in each choice's first event")
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, description="with tools: calls begun or grown")
 
 
 class ChatChunkChoice(_Answer):
     index: int
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: ChatFinishReason | None
     stop_reason: int | str | None
 
 

@@ -13,9 +13,11 @@ from quart import Blueprint, Response, jsonify
 
 from jaxserve.engine.prompt_checks import check_room_to_generate
 from jaxserve.entrypoints.openai_body import (chat_completion_body, chat_completion_chunk, chat_logprobs,
-                                              default_max_tokens, sampling_params_from_body, usage, usage_chunk)
+                                              default_max_tokens, sampling_params_from_body, tool_finish_reason, usage,
+                                              usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, parse_body
+from jaxserve.entrypoints.tool_calls import ContentText, ToolCalling, ToolCallParser, delta_tool_calls
 from jaxserve.entrypoints.protocol_responses import ChatCompletionChunk, ChatCompletionResponse
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -23,7 +25,8 @@ from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import streamed_response
 from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
 from jaxserve.server.openapi import RouteSchema, declares
-from jaxserve.server.request_fields import check_constraint, check_limits, conversation_prompt, flag, include_usage
+from jaxserve.server.request_fields import (check_constraint, check_limits, checked_tool_calling, conversation_prompt,
+                                           flag, include_usage)
 from jaxserve.server.streams import final_outputs, merged_events
 from jaxserve.tokenizer import Tokenizer
 
@@ -38,6 +41,12 @@ class ChatRequest:
     params: SamplingParams  # how its n choices are sampled
     stream: bool  # answer as server-sent events
     include_usage: bool  # streaming: a last event with the usage
+    tool_calling: ToolCalling | None  # the tools offered and how they may be called; None without tools
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether answers are read for tool calls (tools given, tool_choice not none)."""
+        return self.tool_calling is not None and self.tool_calling.choice != "none"
 
 
 @blueprint.post("/v1/chat/completions")
@@ -55,7 +64,8 @@ async def create_chat_completion() -> Response:
                                        None, None) for index in range(request.params.n)]
         return await streamed_response(_chat_chunks(context, request, chunk_id, created, model), roles)
     [output] = await final_outputs(context, [request.prompt], request.params)
-    return jsonify(chat_completion_body(output, model, request.params.logprobs or 0, context.tokenizer))
+    return jsonify(chat_completion_body(output, model, request.params.logprobs or 0, context.tokenizer,
+                                        request.tool_calling))
 
 
 def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
@@ -65,34 +75,52 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
                       context.max_model_len)
     check_model(body.model, context)
     fields = body.model_dump(exclude_none=True)
-    prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True))
+    tool_calling = checked_tool_calling(fields, context)
+    prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
+                                 tools=tool_calling.tools if tool_calling is not None else None)
     params = sampling_params_from_body(fields, chat=True, default_max_tokens=default_max_tokens(
-        True, len(prompt.token_ids), context.max_model_len))
+        True, len(prompt.token_ids), context.max_model_len), tool_calling=tool_calling)
     check_limits(params, 1, context.config)
-    check_constraint(params, fields, context)
+    check_constraint(params, fields, context, tool_calling)
     asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if getattr(body, asked) is not None:
         check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, asked)
-    return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields))
+    return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields), tool_calling)
 
 
 async def _chat_chunks(context: ServerContext, request: ChatRequest, chunk_id: str, created: int,
                        model: str) -> AsyncIterator[dict[str, Any]]:
     finished: list[RequestOutput] = []
+    readers = ([ToolCallParser(request.tool_calling) for _ in range(request.params.n)] if request.reads_calls
+               else None)
     async with contextlib.aclosing(merged_events(context, [request.prompt], request.params)) as events:
         async for _, event in events:
             if isinstance(event, RequestOutput):
                 finished.append(event)
-            elif event.text or event.finish_reason or event.logprobs:
-                yield _delta_chunk(chunk_id, created, model, event, request.params.logprobs or 0, context.tokenizer)
+                continue
+            said, finish_reason = _said(event, readers[event.index] if readers else None)
+            if said or finish_reason or event.logprobs:
+                yield _delta_chunk(chunk_id, created, model, event, said, finish_reason, request.params.logprobs or 0,
+                                   context.tokenizer)
     if request.include_usage:
         yield usage_chunk(chunk_id, created, model, "chat.completion.chunk", usage(finished))
 
 
-def _delta_chunk(chunk_id: str, created: int, model: str, delta: CompletionDelta, num_top: int,
-                 tokenizer: Tokenizer) -> dict[str, Any]:
+def _said(delta: CompletionDelta, reader: ToolCallParser | None) -> tuple[dict[str, Any], str | None]:
+    """What a step's text adds to the answer (content, and with tools, calls begun or grown), and the finish reason
+    when it is the last step ("tool_calls" for an answer that called tools)."""
+    if reader is None:
+        return {"content": delta.text} if delta.text else {}, delta.finish_reason
+    events = reader.feed(delta.text) + (reader.finish() if delta.finish_reason else [])
+    content = "".join(event.text for event in events if isinstance(event, ContentText))
+    calls = delta_tool_calls(events)
+    said = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+    return said, tool_finish_reason(delta.finish_reason, bool(reader.calls))
+
+
+def _delta_chunk(chunk_id: str, created: int, model: str, delta: CompletionDelta, said: dict[str, Any],
+                 finish_reason: str | None, num_top: int, tokenizer: Tokenizer) -> dict[str, Any]:
     # A last event with nothing new but the finish reason carries an empty delta, as OpenAI's does.
-    content = {"content": delta.text} if delta.text else {}
-    return chat_completion_chunk(chunk_id, created, model, delta.index, content,
+    return chat_completion_chunk(chunk_id, created, model, delta.index, said,
                                  chat_logprobs(delta.token_ids, delta.logprobs, num_top, tokenizer),
-                                 delta.finish_reason, delta.stop_reason)
+                                 finish_reason, delta.stop_reason)

@@ -3,12 +3,14 @@ constraints, conversations."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.prompt_checks import check_prompt_tokens
-from jaxserve.entrypoints.openai_body import structured_outputs_from_body
+from jaxserve.entrypoints.openai_body import check_output_constraint
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
-from jaxserve.errors import InvalidRequestError
+from jaxserve.entrypoints.tool_calls import ToolCalling, check_tool_schemas, tool_calling_from_body
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.api_errors import ApiError
 from jaxserve.server.app import ServerContext
@@ -46,22 +48,28 @@ def check_limits(params: SamplingParams, num_prompts: int, config: ServerConfig)
         raise ApiError(400, f"at most {config.max_prompts} prompts per request, got {num_prompts}", param="prompt")
 
 
-def check_constraint(params: SamplingParams, fields: dict[str, Any], context: ServerContext) -> None:
-    """The request's output constraint compiled (or found in the cache) before it reaches the engine, so an invalid
-    schema, regex or grammar is a 400 naming the field that gave it."""
-    if params.structured_outputs is None:
-        return
-    try:
-        context.engine.engine.grammars.check(params.structured_outputs)
-    except InvalidRequestError as error:
-        raise InvalidRequestError(str(error), param=structured_outputs_from_body(fields)[1]) from None
+def check_constraint(params: SamplingParams, fields: dict[str, Any], context: ServerContext,
+                     tool_calling: ToolCalling | None = None) -> None:
+    """The request's output constraint compiled (or found in the cache) by the engine's grammar compiler, on this
+    worker thread: what cannot compile is a 400 that never reaches the engine."""
+    check_output_constraint(params, fields, context.engine.engine.grammars, tool_calling)
 
 
-def conversation_prompt(messages: list[dict[str, Any]], context: ServerContext,
-                        add_generation_prompt: bool) -> TokenizedPrompt:
-    """A checked conversation rendered by the chat template and tokenized; text too long to fit is refused first."""
-    context.check_text_fits((part for message in messages for part in _texts(message)), "messages")
-    prompt = chat_prompt(context.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+def checked_tool_calling(fields: dict[str, Any], context: ServerContext) -> ToolCalling | None:
+    """A chat body's tools and tool_choice, every tool's schema compiled (a 400 naming the tool at fault)."""
+    tool_calling = tool_calling_from_body(fields)
+    if tool_calling is not None:
+        check_tool_schemas(tool_calling, context.engine.engine.grammars)
+    return tool_calling
+
+
+def conversation_prompt(messages: list[dict[str, Any]], context: ServerContext, add_generation_prompt: bool,
+                        tools: Sequence[dict[str, Any]] | None = None) -> TokenizedPrompt:
+    """A checked conversation (with the tools the template renders) rendered by the chat template and tokenized;
+    text too long to fit is refused first."""
+    context.check_text_fits([*(part for message in messages for part in _texts(message)),
+                             *(json.dumps(tool) for tool in tools or ())], "messages")
+    prompt = chat_prompt(context.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
     check_prompt_tokens(prompt.token_ids, vocab_size=context.vocab_size, max_model_len=context.max_model_len,
                         param="messages")
     return prompt
@@ -70,4 +78,5 @@ def conversation_prompt(messages: list[dict[str, Any]], context: ServerContext,
 def _texts(message: dict[str, Any]) -> list[str]:
     content = message.get("content")
     parts = [content] if isinstance(content, str) else [part["text"] for part in content or ()]
-    return parts + ([message["name"]] if "name" in message else [])
+    calls = [call["function"]["arguments"] for call in message.get("tool_calls", ())]
+    return parts + calls + ([message["name"]] if "name" in message else [])

@@ -58,8 +58,9 @@ def _tokens_of(raw: bytes, context: ServerContext) -> list[int]:
         body = parse_body(TokenizeChatBody, value, context.config.allow_unknown_fields, context.max_model_len)
         check_model(body.model, context)
         fields = body.model_dump(exclude_none=True)
-        return list(conversation_prompt(fields["messages"], context,
-                                        flag(fields, "add_generation_prompt", default=True)).token_ids)
+        prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
+                                     tools=fields.get("tools"))
+        return list(prompt.token_ids)
     body = parse_body(TokenizeCompletionBody, value, context.config.allow_unknown_fields, context.max_model_len)
     check_model(body.model, context)
     context.check_text_fits([body.prompt], "prompt")

@@ -77,7 +77,7 @@ class SyntheticTokenizer:
 
 def measure_masks(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
-    compiler = GrammarCompiler(SyntheticTokenizer(args.vocab), args.vocab)
+    compiler = GrammarCompiler(SyntheticTokenizer(args.vocab), args.vocab, compile_timeout_s=60.0)
     tokenizer_s = time.perf_counter() - started
     constraint = StructuredOutputsParams(json=SCHEMA)
     rng = np.random.default_rng(0)

@@ -87,6 +87,8 @@ class EngineConfig:
     max_logit_bias: int = _setting(64, "logit_bias entries per request", flag=False)
     max_stop_ids: int = _setting(16, "EOS plus stop_token_ids per request (masked while min_tokens is unmet)",
                                  flag=False)
+    grammar_compile_timeout_s: float = _setting(10.0, "seconds an output constraint (schema, regex, grammar, forced "
+                                                "tool calls) may take to compile; longer is a 400", flag=False)
 
     # Start-up and guards.
     compilation_cache_dir: str | None = _setting(DEFAULT_COMPILATION_CACHE, "JAX's persistent compilation cache; "
@@ -113,8 +115,9 @@ class EngineConfig:
             _check_at_least("num_kv_pages", self.num_kv_pages, 2)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"{_named('block_size')} must be a power of two, got {self.block_size}")
-        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
-            raise ConfigError(f"{_named('kv_cache_memory_gb')} must be positive, got {self.kv_cache_memory_gb}")
+        for name in ("kv_cache_memory_gb", "grammar_compile_timeout_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{_named(name)} must be positive, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{_named('gpu_memory_utilization')} must be in (0, 1], got "
                               f"{self.gpu_memory_utilization}")

@@ -41,11 +41,14 @@ def _random_row(rng: np.random.Generator, greedy: bool, penalties: bool = True, 
     prompt = tuple(int(t) for t in rng.integers(0, 12, rng.integers(1, 11)))
     output = tuple(int(t) for t in rng.integers(0, 12, rng.integers(0, 9)))
     params = _random_params(rng, greedy, penalties)
-    return SamplingRow(params, prompt, output, EOS, seed=int(rng.integers(2**40)), step=step)
+    # Half the rows follow a grammar that allows about half the vocabulary.
+    mask = np.packbits(rng.random(VOCAB) < 0.5, bitorder="little").view(np.int32) if rng.random() < 0.5 else None
+    return SamplingRow(params, prompt, output, EOS, seed=int(rng.integers(2**40)), step=step, token_mask=mask)
 
 
 def _host_processed(logits: np.ndarray, row: SamplingRow) -> np.ndarray:  # f64[vocab]
-    context = host_sampler.SamplingContext(tuple(row.prompt_ids), tuple(row.output_ids), tuple(row.eos_token_ids))
+    context = host_sampler.SamplingContext(tuple(row.prompt_ids), tuple(row.output_ids), tuple(row.eos_token_ids),
+                                           row.token_mask)
     return host_sampler.process_logits(logits, row.params, context)
 
 

@@ -5,6 +5,8 @@ untouched beside constrained ones, nothing compiles after warm-up, and bad const
 import json
 import re
 import sys
+import threading
+from unittest import mock
 from pathlib import Path
 
 import jax
@@ -121,3 +123,33 @@ def test_the_mask_benchmark_runs_on_a_synthetic_vocabulary():
     result = structured_output.measure_masks(structured_output.parse_args(["--seqs", "3", "--vocab", "3000",
                                                                             "--steps", "4"]))
     assert result["seqs"] == 3 and result["mask_ms_per_step_median"] > 0
+
+
+def test_the_grammars_end_wins_over_min_tokens(tiny_llm):
+    """min_tokens holds EOS back while the grammar may go on, and never past the grammar's end."""
+    for regex, text in (("ab", "ab"), ("ab(c)?", "abc")):
+        params = _constrained(StructuredOutputsParams(regex=regex), 1.0, min_tokens=8)
+        [completion] = tiny_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+        assert (completion.text, completion.finish_reason) == (text, "stop")
+
+
+def test_a_grammar_compiled_too_slowly_is_refused_and_the_next_request_is_not_held(tiny_llm):
+    from jaxserve.engine.structured_output import GrammarCompiler
+
+    release = threading.Event()
+    compiler = GrammarCompiler(tiny_llm.tokenizer, tiny_llm.model.config.vocab_size, compile_timeout_s=0.5)
+    slow = StructuredOutputsParams(regex="slow")
+    with mock.patch("jaxserve.engine.structured_output._grammar_text",
+                    side_effect=lambda constraint: release.wait() and 'start: "slow"'):
+        with pytest.raises(InvalidRequestError, match="did not compile within 0.5 s") as refused:
+            compiler.check(slow)
+    assert refused.value.param == "structured_outputs"
+    compiler.check(StructuredOutputsParams(regex="fast"))  # the other compile thread is free
+    release.set()
+
+
+def test_a_sequence_starts_from_a_copy_of_the_compiled_matcher(tiny_llm):
+    constraint = StructuredOutputsParams(choice=["Paris", "Lyon"])
+    first, second = (tiny_llm.engine.grammars.matcher(constraint) for _ in range(2))
+    first.accept(tiny_llm.tokenizer.encode("P", add_special_tokens=False)[0])
+    assert not np.array_equal(first.next_mask(), second.next_mask())

@@ -83,7 +83,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.runner, self.config, self.startup_stats = start_runner(model, config, progress)
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
         self.scheduler = Scheduler(self.config)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}

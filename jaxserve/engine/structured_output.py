@@ -4,8 +4,8 @@ which gives the packed bitmask of tokens allowed next and follows the tokens sam
 llguidance (the grammar engine behind guidance, also used by vLLM and SGLang) is chosen over xgrammar because its
 runtime is a Rust extension with no torch dependency, it takes any tokenizer as a list of token bytes (so our
 sentencepiece and HF tokenizers share one path), and it computes a mask in tens of microseconds with the GIL
-released. Grammars are checked once per distinct constraint (a cache keyed by the constraint); each sequence gets
-a fresh matcher, which is cheap.
+released. Each distinct constraint is compiled once, on the compiler's threads with a time limit (a cache keyed by
+the constraint); each sequence gets a copy of the compiled matcher, which takes microseconds.
 
 The mask is the sampler's input `allowed` (i32[S, ceil(vocab / 32)], bit t of word t // 32 set: token t may be
 drawn); rows without a constraint are all ones, so the compiled programs are the same with or without one.
@@ -13,7 +13,8 @@ drawn); rows without a constraint are all ones, so the compiled programs are the
 
 from __future__ import annotations
 
-import functools
+import collections
+import concurrent.futures
 import json
 import threading
 
@@ -26,7 +27,8 @@ from jaxserve.schedule import mask_width
 from jaxserve.structured_outputs import PARAM, StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
 
-GRAMMAR_CACHE_SIZE = 256  # distinct constraints kept checked
+GRAMMAR_CACHE_SIZE = 256  # distinct constraints kept compiled
+COMPILE_THREADS = 2  # constraints compiled at once; more wait their turn, within their own timeout
 # JSON without optional whitespace: every output stays valid and no token goes to spaces (a schema's own
 # "x-guidance" options still win).
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -56,37 +58,59 @@ class GrammarMatcher:
 
 
 class GrammarCompiler:
-    """Checks constraints against a tokenizer and makes matchers for them; safe to call from several threads."""
+    """Compiles constraints for a tokenizer, each once (a cache keyed by the constraint), and hands out matchers:
+    copies of the compiled one, so starting a sequence costs microseconds on the engine thread whatever the grammar.
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    Compiling runs on the compiler's own threads (llguidance releases the GIL) with a wall-clock limit: a grammar
+    that takes longer is refused, and the caller (a server request thread) never waits longer than that. Safe to
+    call from several threads.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, compile_timeout_s: float):
         self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s  # longest a constraint may take to compile
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size)
-        self._lock = threading.Lock()  # the cache, shared by the server's parsing threads and the engine thread
+        self._lock = threading.Lock()  # guards the cache
+        self._compiled: collections.OrderedDict[StructuredOutputsParams, concurrent.futures.Future] = (
+            collections.OrderedDict())  # constraint -> its compile (pristine matcher), least recently used first
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
     def check(self, constraint: StructuredOutputsParams) -> None:
-        """InvalidRequestError (param: structured_outputs) if the constraint cannot be compiled."""
-        self._grammar(constraint)
+        """InvalidRequestError (param: structured_outputs) if the constraint cannot be compiled, or not in time."""
+        self._pristine(constraint)
 
     def matcher(self, constraint: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher at the start of the constraint's grammar."""
-        matcher = llguidance.LLMatcher(self._tokenizer, self._grammar(constraint), log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"the {constraint.kind} constraint cannot be used: {matcher.get_error()}",
-                                      param=PARAM)
-        return GrammarMatcher(matcher, self.vocab_size)
+        return GrammarMatcher(self._pristine(constraint).deep_copy(), self.vocab_size)
 
-    def _grammar(self, constraint: StructuredOutputsParams) -> str:
+    def _pristine(self, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
         with self._lock:
-            return _checked_grammar(self._tokenizer, constraint)
+            compiled = self._compiled.get(constraint)
+            if compiled is None:
+                compiled = self._pool.submit(_compile, self._tokenizer, constraint)
+                self._compiled[constraint] = compiled
+                if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(constraint)
+        try:
+            return compiled.result(timeout=self.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise InvalidRequestError(f"the {constraint.kind} constraint did not compile within "
+                                      f"{self.compile_timeout_s:g} s", param=PARAM) from None
 
 
-@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
-def _checked_grammar(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputsParams) -> str:
+def _compile(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
+    """The constraint's matcher at the start of its grammar; InvalidRequestError if it does not compile (the error is
+    kept with the cached compile, so the same bad constraint is refused at once the next time)."""
     grammar = _grammar_text(constraint)
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise InvalidRequestError(f"the {constraint.kind} constraint is not valid: {error}", param=PARAM)
-    return grammar
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise InvalidRequestError(f"the {constraint.kind} constraint cannot be used: {matcher.get_error()}",
+                                  param=PARAM)
+    return matcher
 
 
 def _grammar_text(constraint: StructuredOutputsParams) -> str:

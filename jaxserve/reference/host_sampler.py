@@ -5,7 +5,8 @@ The order of operations is vLLM v1's (`vllm/v1/sample/sampler.py`):
 
 1. log-probabilities are reported from the *raw* logits (vLLM's default `logprobs_mode="raw_logprobs"`), before any
    bias, penalty or temperature, so a request's logprobs do not depend on how it is sampled;
-2. min_tokens masks (EOS and stop ids get -inf until enough tokens exist), then logit_bias;
+2. the grammar's token mask (structured output: forbidden tokens get -inf), then min_tokens masks (EOS and stop ids
+   get -inf until enough tokens exist), then logit_bias;
 3. penalties: repetition (prompt and output tokens), then frequency and presence (output tokens only);
 4. greedy requests take the argmax here (ties go to the lowest id); the others continue:
 5. temperature, then min_p, then top-k, then top-p over what min_p and top-k kept, then one draw.
@@ -28,6 +29,8 @@ class SamplingContext:
     prompt_ids: tuple[int, ...] = ()  # the prompt; repetition_penalty covers it
     output_ids: tuple[int, ...] = ()  # tokens generated so far; every penalty covers them
     eos_token_ids: tuple[int, ...] = ()  # the tokenizer's EOS ids; min_tokens holds them back unless ignore_eos
+    # i32[ceil(vocab / 32)]: the tokens a grammar allows next, bit t of word t // 32; None allows every token
+    token_mask: np.ndarray | None = None
 
 
 NO_CONTEXT = SamplingContext()
@@ -63,9 +66,11 @@ def describe_token(logits: np.ndarray, token: int, num_top: int) -> SampledToken
 
 
 def process_logits(logits: np.ndarray, params: SamplingParams, context: SamplingContext) -> np.ndarray:
-    """min_tokens mask, logit_bias and penalties applied to raw logits f32[vocab]; returns f64[vocab]."""
+    """Token mask, min_tokens mask, logit_bias and penalties applied to raw logits f32[vocab]; returns f64[vocab]."""
     out = logits.astype(np.float64)  # f64[vocab]
     vocab = len(out)
+    if context.token_mask is not None:
+        out[~allowed_tokens(context.token_mask, vocab)] = -np.inf
     if len(context.output_ids) < params.min_tokens:
         out[_in_vocab(min_tokens_blocked_ids(params, context.eos_token_ids), vocab)] = -np.inf
     # Like a JSON object (and vLLM's dict), a repeated id keeps its last bias; ids outside the vocabulary are ignored.
@@ -73,6 +78,11 @@ def process_logits(logits: np.ndarray, params: SamplingParams, context: Sampling
         if token < vocab:
             out[token] += bias
     return _apply_penalties(out, params, context)
+
+
+def allowed_tokens(token_mask: np.ndarray, vocab: int) -> np.ndarray:  # bool[vocab]
+    """A packed mask i32[ceil(vocab / 32)] unpacked: bit t of word t // 32 set means token t is allowed."""
+    return np.unpackbits(np.ascontiguousarray(token_mask, np.int32).view(np.uint8), bitorder="little")[:vocab] == 1
 
 
 def min_tokens_blocked_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:

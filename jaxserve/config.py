@@ -32,6 +32,7 @@ PALLAS_INTERPRET_BACKEND = "pallas-interpret"
 # What users choose from (--attention-backend); auto picks the kernel where it compiles (a GPU), XLA elsewhere.
 ATTENTION_BACKEND_CHOICES = ("auto", PALLAS_BACKEND, XLA_BACKEND)
 MAX_TOKENS_POLICIES = ("cap", "reject")
+QUANTIZATIONS = ("int8", "fp8")  # --quantization: weight formats of jaxserve/model/quantization.py
 # Step limits when none are given, per JAX platform: vLLM's on a GPU (256 sequences; 8192 tokens, its figure for an
 # H100-class GPU), and small ones elsewhere, where every compiled step shape costs seconds of start-up.
 GPU_STEP_LIMITS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
@@ -54,6 +55,8 @@ class EngineConfig:
                           "or float32")
     tensor_parallel_size: int = _setting(1, "split weights and KV cache over this many devices (default 1); must "
                                          "divide the number of attention heads")
+    quantization: str | None = _setting(None, "quantize the decoder's weights as they load: int8 or fp8 "
+                                        "(float8_e4m3fn), one scale per output channel (default: none)")
 
     # Limits: they fix the compiled step shapes.
     max_model_len: int | None = _setting(None, "longest prompt + output of one sequence (default: the model's "
@@ -121,6 +124,9 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{_named('gpu_memory_utilization')} must be in (0, 1], got "
                               f"{self.gpu_memory_utilization}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"{_named('quantization')} must be one of {', '.join(QUANTIZATIONS)}, got "
+                              f"{self.quantization!r}")
         if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
             raise ConfigError(f"max_tokens_policy must be one of {', '.join(MAX_TOKENS_POLICIES)}, got "
                               f"{self.max_tokens_policy!r}")

@@ -28,6 +28,8 @@ TP_SIZES = (1, 2, 4, 8)
 PALLAS_TP_SIZES = (2, 8)
 # 8 query heads so every size divides them; 2 KV heads so sizes 4 and 8 repeat KV heads at load time.
 MODEL = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+# int8 weights with their scales: a plain split, and KV heads (their scales too) repeated at load time.
+INT8_TP_SIZES = (1, 4)
 # Small buckets (7 programs) keep four engines' start-up compiles within the test's budget.
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, block_size=8,
               num_kv_pages=24, use_tqdm_on_load=False)
@@ -44,8 +46,9 @@ def pallas_report(model_dir: Path, tp: int) -> dict:
     return dict(tokens=greedy_tokens(llm), compiles_after_warmup=llm.engine.compiles_after_warmup)
 
 
-def engine_report(model_dir: Path, tp: int) -> dict:
-    llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp, **ENGINE)
+def engine_report(model_dir: Path, tp: int, quantization: str | None = None) -> dict:
+    llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp,
+              quantization=quantization, **ENGINE)
     tokens = greedy_tokens(llm)
     runner = llm.engine.runner
     arrays = flat_arrays(llm.engine.runner.params)
@@ -128,6 +131,7 @@ def main(work_dir: Path) -> None:
     write_tiny_checkpoint(model_dir, **MODEL)
     report = {"engines": {tp: engine_report(model_dir, tp) for tp in TP_SIZES},
               "pallas_engines": {tp: pallas_report(model_dir, tp) for tp in PALLAS_TP_SIZES},
+              "int8_engines": {tp: engine_report(model_dir, tp, "int8") for tp in INT8_TP_SIZES},
               "orbax_matches_safetensors": orbax_matches_safetensors(model_dir, work_dir / "orbax", tp=4),
               "builtin_matches_single_device": builtin_matches_single_device(tp=4),
               "shard_reads": shard_reads(model_dir, tp=8)}

@@ -45,6 +45,13 @@ def test_the_pallas_kernel_inside_shard_map_gives_the_same_tokens(report):
         assert engine["compiles_after_warmup"] == 0, f"TP={tp}"
 
 
+def test_quantized_weights_and_their_scales_shard_like_the_weights_they_stand_for(report):
+    single, split = report["int8_engines"]["1"], report["int8_engines"]["4"]
+    assert split["tokens"] == single["tokens"] and all(len(tokens) > 0 for tokens in single["tokens"])
+    assert split["wrong_shardings"] == [] and split["device_bytes"] == [split["expected_device_bytes"]]
+    assert split["collectives"] == report[4]["collectives"] and split["compiles_after_warmup"] == 0
+
+
 def test_fewer_kv_heads_than_devices_are_repeated_at_load_time(report):
     # The model stores 2 KV heads: TP 4 and 8 run with one (repeated) KV head per device.
     assert [report[tp]["kv_heads"] for tp in (1, 2, 4, 8)] == [2, 2, 4, 8]

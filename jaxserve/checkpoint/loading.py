@@ -33,13 +33,14 @@ from jaxserve.checkpoint.model_files import (
     orbax_dir,
 )
 from jaxserve.checkpoint.orbax_io import plan_orbax_restore, save_orbax
-from jaxserve.checkpoint.param_tree import (abstract_params, checkpoint_tensors, fill_params, tensor_targets,
-                                            unchanged_targets)
+from jaxserve.checkpoint.param_tree import (abstract_params, checkpoint_tensors, fill_params, flat_arrays,
+                                            tensor_targets, unchanged_targets)
+from jaxserve.checkpoint.quantize import quantized_arrays
 from jaxserve.checkpoint.safetensors_loader import load_safetensors, plan_safetensors_load
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import resolve_dtype
-from jaxserve.parallel import plan_tensor_parallel
+from jaxserve.parallel import TensorParallelLayout, plan_tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,36 +92,54 @@ def weight_bytes_per_device(params: nnx.State) -> int:
 
 
 def load_model(model_dir: Path | None, dtype: str = "auto", progress: bool = True,
-               tensor_parallel_size: int = 1) -> LoadedModel:
+               tensor_parallel_size: int = 1, quantization: str | None = None) -> LoadedModel:
     """Load the model in `model_dir`, or the built-in model when it is None, split over `tensor_parallel_size` devices.
 
     `dtype` is `auto` or a name `resolve_dtype` accepts. `progress` shows a progress bar while streaming
-    safetensors. Each device receives only its shard of each tensor. Raises `ModelLoadError` (naming the file or
-    tensor at fault) on anything wrong with the folder, `ConfigError` when the model cannot be split so.
+    safetensors. Each device receives only its shard of each tensor. `quantization` ("int8" or "fp8") quantizes the
+    decoder's projections as they arrive. Raises `ModelLoadError` (naming the file or tensor at fault) on anything
+    wrong with the folder, `ConfigError` when the model cannot be split so.
     """
-    return plan_model(model_dir, dtype, tensor_parallel_size).load(progress)
+    return plan_model(model_dir, dtype, tensor_parallel_size, quantization).load(progress)
 
 
-def plan_model(model_dir: Path | None, dtype: str = "auto", tensor_parallel_size: int = 1) -> ModelPlan:
+def plan_model(model_dir: Path | None, dtype: str = "auto", tensor_parallel_size: int = 1,
+               quantization: str | None = None) -> ModelPlan:
     """`load_model`'s checks and layout without reading weights; the same errors, raised here."""
     if model_dir is None:
-        return _plan_builtin(dtype, tensor_parallel_size)
+        return _plan_builtin(dtype, tensor_parallel_size, quantization)
     model_dir = Path(model_dir)
     check_model_dir(model_dir)
     cfg = LlamaConfig.from_json_file(model_dir / CONFIG_FILE)
     layout = plan_tensor_parallel(cfg, tensor_parallel_size)
     target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
-    placed = abstract_params(layout.model_config, target_dtype, layout.param_sharding)
+    read = abstract_params(layout.model_config, target_dtype, layout.param_sharding)
     stored = abstract_params(cfg, target_dtype, layout.param_sharding)
-    targets = tensor_targets(stored, placed, layout.stored_rows)
+    targets = tensor_targets(stored, read, layout.stored_rows)
     if has_orbax_checkpoint(model_dir):
-        source, restore = "orbax", plan_orbax_restore(orbax_dir(model_dir), targets)
-        read_params = lambda progress: fill_params(placed, restore())  # noqa: E731
+        source, read_arrays = "orbax", _ignoring_progress(plan_orbax_restore(orbax_dir(model_dir), targets))
     else:
-        source, stream = "safetensors", plan_safetensors_load(model_dir, targets)
-        read_params = lambda progress: fill_params(placed, stream(progress))  # noqa: E731
-    return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), target_dtype, model_dir,
-                     source, layout.mesh, read_params)
+        source, read_arrays = "safetensors", plan_safetensors_load(model_dir, targets)
+    return _plan(layout, target_dtype, quantization, model_dir, source, read_arrays)
+
+
+def _plan(layout: TensorParallelLayout, dtype: np.dtype, quantization: str | None, model_dir: Path, source: str,
+          read_arrays: Callable[[bool], dict[str, jax.Array]]) -> ModelPlan:
+    """The plan of a model whose unquantized arrays `read_arrays` (its argument: show progress) reads, quantized
+    after reading when asked."""
+    placed = abstract_params(layout.model_config, dtype, layout.param_sharding, quantization)
+
+    def read_params(progress: bool) -> nnx.State:
+        arrays = read_arrays(progress)
+        return fill_params(placed, arrays if quantization is None else quantized_arrays(arrays, placed.specs,
+                                                                                        quantization))
+
+    return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), dtype, model_dir, source,
+                     layout.mesh, read_params)
+
+
+def _ignoring_progress(read: Callable[[], dict[str, jax.Array]]) -> Callable[[bool], dict[str, jax.Array]]:
+    return lambda progress: read()
 
 
 def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> None:
@@ -144,13 +163,12 @@ def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> N
     save_orbax(checkpoint_tensors(arrays), orbax_dir(out_dir))
 
 
-def _plan_builtin(dtype: str, tensor_parallel_size: int) -> ModelPlan:
+def _plan_builtin(dtype: str, tensor_parallel_size: int, quantization: str | None) -> ModelPlan:
     cfg = LlamaConfig.from_json_file(BUILTIN_MODEL_DIR / CONFIG_FILE)
     layout = plan_tensor_parallel(cfg, tensor_parallel_size)
     target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
-    placed = abstract_params(layout.model_config, target_dtype, layout.param_sharding)
-    return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), target_dtype,
-                     BUILTIN_MODEL_DIR, "builtin", layout.mesh, lambda progress: builtin_params(layout, target_dtype)[1])
+    return _plan(layout, target_dtype, quantization, BUILTIN_MODEL_DIR, "builtin",
+                 lambda progress: flat_arrays(builtin_params(layout, target_dtype)[1]))
 
 
 def _copy_sidecar_files(hf_dir: Path, out_dir: Path) -> None:

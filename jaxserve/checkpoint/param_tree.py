@@ -62,14 +62,16 @@ class FoundTensor:
 ShardingOf = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]  # (tensor name, shape) -> its sharding
 
 
-def abstract_params(cfg: LlamaConfig, dtype: np.dtype, sharding_of: ShardingOf) -> AbstractParams:
-    """Shapes and names of every parameter, each with the sharding `sharding_of` gives, without allocating any."""
-    abstract_model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype))
+def abstract_params(cfg: LlamaConfig, dtype: np.dtype, sharding_of: ShardingOf,
+                    quantization: str | None = None) -> AbstractParams:
+    """Shapes, dtypes (`dtype`, or the quantized weights' and scales' own) and names of every parameter, each with
+    the sharding `sharding_of` gives, without allocating any."""
+    abstract_model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, quantization=quantization))
     graphdef, state = nnx.split(abstract_model, nnx.Param)
     specs = {}
     for path, var in nnx.to_flat_state(state):
-        name, shape = tensor_name(path), var.get_value().shape
-        specs[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(name, shape))
+        name, value = tensor_name(path), var.get_value()
+        specs[name] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding_of(name, value.shape))
     return AbstractParams(graphdef=graphdef, state=state, specs=specs)
 
 

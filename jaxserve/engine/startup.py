@@ -74,10 +74,12 @@ def serving_summary(model: LoadedModel | ModelPlan, config: EngineConfig) -> str
     weights = weight_bytes_per_device(model.abstract_params if isinstance(model, ModelPlan) else model.params)
     pool = config.require("num_kv_pages") - 1  # the null page holds nothing
     per_page = bytes_per_page(model.config, config.block_size, model.dtype, len(devices))
-    return (f"serving {model.model_dir.name} ({model.source}) in {jax.numpy.dtype(model.dtype).name} on "
+    quantized = f" with {config.quantization} weights" if config.quantization is not None else ""
+    return (f"serving {model.model_dir.name} ({model.source}) in {jax.numpy.dtype(model.dtype).name}{quantized} on "
             f"{len(devices)} x {devices[0].device_kind}; max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
             f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}; weights {_size(weights)} per "
-            f"device; KV cache {pool} pages = {pool * config.block_size} tokens ({_size(pool * per_page)} per device)")
+            f"device; KV cache {pool} pages = {pool * config.block_size} tokens ({_size(pool * per_page)} per device, "
+            f"{per_page // config.block_size} bytes per token)")
 
 
 def _size(num_bytes: int) -> str:

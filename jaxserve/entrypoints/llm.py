@@ -47,7 +47,8 @@ class LLM:
         config.attention_implementation(jax.default_backend())
         # The weights are read when the engine starts, while its step programs compile.
         self.model: ModelPlan = plan_model(Path(config.model) if config.model is not None else None,
-                                           dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
+                                           dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
+                                           quantization=config.quantization)
         self.tokenizer: Tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer is not None
                                                    else self.model.model_dir)
         self.config = (config.with_platform_defaults(jax.default_backend())

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.quantization import scaled_matmul, weight_format
 from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
@@ -34,6 +35,28 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("...i,oi->...o", x, self.weight[...])
         return y if self.bias is None else y + self.bias[...]
+
+
+class QuantizedLinear(nnx.Module):
+    """y = x @ (weight * weight_scale).T (+ bias): weight q[out, in] in the quantization's dtype, weight_scale
+    f32[out] per output channel (model/quantization.py); the loader fills both from the unquantized weight."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, quantization: str,
+                 stack: tuple[int, ...] = (), **_unused_init):
+        self.weight = nnx.Param(jnp.zeros((*stack, out_features, in_features), weight_format(quantization).dtype))
+        self.weight_scale = nnx.Param(jnp.ones((*stack, out_features), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = scaled_matmul(x, self.weight[...], self.weight_scale[...])
+        return y if self.bias is None else y + self.bias[...]
+
+
+def _projection(quantization: str | None, in_features: int, out_features: int, **kwargs) -> nnx.Module:
+    """A decoder projection: Linear, or QuantizedLinear when the weights are quantized."""
+    if quantization is None:
+        return Linear(in_features, out_features, **kwargs)
+    return QuantizedLinear(in_features, out_features, quantization=quantization, **kwargs)
 
 
 class RMSNorm(nnx.Module):
@@ -62,13 +85,14 @@ class Embedding(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention; the KV cache decides where K/V live and how they are read."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...]):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...],
+                 quantization: str | None):
         hidden, hd = cfg.hidden_size, cfg.head_dim
         linear = dict(bias=cfg.attention_bias, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
-        self.q_proj = Linear(hidden, cfg.num_attention_heads * hd, **linear)
-        self.k_proj = Linear(hidden, cfg.num_key_value_heads * hd, **linear)
-        self.v_proj = Linear(hidden, cfg.num_key_value_heads * hd, **linear)
-        self.o_proj = Linear(cfg.num_attention_heads * hd, hidden, **linear)
+        self.q_proj = _projection(quantization, hidden, cfg.num_attention_heads * hd, **linear)
+        self.k_proj = _projection(quantization, hidden, cfg.num_key_value_heads * hd, **linear)
+        self.v_proj = _projection(quantization, hidden, cfg.num_key_value_heads * hd, **linear)
+        self.o_proj = _projection(quantization, cfg.num_attention_heads * hd, hidden, **linear)
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = hd
@@ -86,11 +110,12 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...]):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...],
+                 quantization: str | None):
         linear = dict(bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **linear)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **linear)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **linear)
+        self.gate_proj = _projection(quantization, cfg.hidden_size, cfg.intermediate_size, **linear)
+        self.up_proj = _projection(quantization, cfg.hidden_size, cfg.intermediate_size, **linear)
+        self.down_proj = _projection(quantization, cfg.intermediate_size, cfg.hidden_size, **linear)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -100,11 +125,13 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention then MLP. Built with `stack=(num_layers,)` it holds every layer's
     parameters on a leading axis; `__call__` runs on one layer's slice of them (inside the model's scan)."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...] = ()):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...] = (),
+                 quantization: str | None = None):
+        projections = dict(dtype=dtype, rngs=rngs, init_std=init_std, stack=stack, quantization=quantization)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, stack)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
+        self.self_attn = Attention(cfg, **projections)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, stack)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
+        self.mlp = MLP(cfg, **projections)
 
     def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer)
@@ -115,9 +142,10 @@ class DecoderLayer(nnx.Module):
 class LlamaModel(nnx.Module):
     """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, quantization: str | None):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs, init_std=init_std)
-        self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, init_std=init_std, stack=(cfg.num_hidden_layers,))
+        self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, init_std=init_std, stack=(cfg.num_hidden_layers,),
+                                   quantization=quantization)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rope = cfg.rope
         self.head_dim = cfg.head_dim
@@ -141,12 +169,16 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """The full causal LM. `__call__` returns final hidden states; `logits` projects only the rows asked for."""
+    """The full causal LM. `__call__` returns final hidden states; `logits` projects only the rows asked for.
 
-    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, init_std: float = 0.02):
+    With `quantization` ("int8" or "fp8"), the decoder's projections hold quantized weights and their scales; the
+    parameters are then filled by the loader (model/quantization.py), not drawn."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, init_std: float = 0.02,
+                 quantization: str | None = None):
         rngs = rngs or nnx.Rngs(0)
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, init_std=init_std)
+        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, init_std=init_std, quantization=quantization)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs, init_std=init_std
         )

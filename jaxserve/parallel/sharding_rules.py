@@ -49,14 +49,19 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"\.mlp\.down_proj\.weight$", ROW_PARALLEL),
     # A row-parallel projection's bias is added once, after the all-reduce.
     (r"\.(o_proj|down_proj)\.bias$", REPLICATED),
+    # Quantized weights shard like the weights they stand for; their per-output-channel scales f32[out] split with
+    # the output features (column-parallel) or stay whole (row-parallel: each device has every output feature).
+    (r"\.self_attn\.[qkv]_proj\.weight_scale$", SPLIT_VECTOR),
+    (r"\.mlp\.(gate|up)_proj\.weight_scale$", SPLIT_VECTOR),
+    (r"\.(o_proj|down_proj)\.weight_scale$", REPLICATED),
     (r"^model\.embed_tokens\.weight$", COLUMN_PARALLEL),  # f[vocab, hidden] split over the vocabulary
     (r"^lm_head\.weight$", COLUMN_PARALLEL),  # f[vocab, hidden] split over the vocabulary
     (r"norm\.weight$", REPLICATED),
 )
 # f[kv_heads, num_layers, num_pages, page_size, head_dim]: whole KV heads per device.
 KV_POOL_SPEC = P(TP_AXIS, None, None, None, None)
-# Rows of k_proj/v_proj (weights and biases): one block of head_dim rows per KV head.
-_KV_PROJECTION = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
+# Rows of k_proj/v_proj (weights, their scales and biases): one block of head_dim rows per KV head.
+_KV_PROJECTION = re.compile(r"\.self_attn\.[kv]_proj\.(weight|weight_scale|bias)$")
 
 
 def logits_partition_spec(vocab_size: int, mesh: Mesh) -> P:

@@ -1,0 +1,39 @@
+"""Online quantization: an unquantized checkpoint's projections quantized on the devices right after they are read
+(`--quantization int8|fp8`), each weight replaced by its quantized form and per-channel scale, sharded as the
+quantized layout says."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+
+from jaxserve.model.quantization import SCALE_SUFFIX, WeightFormat, dequantize, quantize, weight_format
+
+
+def quantized_arrays(arrays: Mapping[str, jax.Array], specs: Mapping[str, jax.ShapeDtypeStruct],
+                     quantization: str) -> dict[str, jax.Array]:
+    """`arrays` (tensor name -> unquantized array) with every weight that has a scale in `specs` (the quantized
+    layout) quantized; each unquantized weight is freed as soon as its quantized form exists, so the peak is the
+    unquantized model plus one weight."""
+    fmt = weight_format(quantization)
+    out = {}
+    for name, array in arrays.items():
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in specs:
+            out[name] = array
+            continue
+        out[name], out[scale_name] = _quantizer(fmt, specs[name].sharding, specs[scale_name].sharding)(array)
+        array.delete()
+    return out
+
+
+def _quantizer(fmt: WeightFormat, weight_sharding: jax.sharding.Sharding, scale_sharding: jax.sharding.Sharding):
+    return jax.jit(lambda weight: quantize(weight, fmt), out_shardings=(weight_sharding, scale_sharding))
+
+
+def dequantized_arrays(arrays: Mapping[str, jax.Array], dtype) -> dict[str, jax.Array]:
+    """The reference path: each quantized weight rebuilt in full (`dtype`) and its scale dropped, so that an
+    unquantized model runs exactly the weights a quantized one stands for."""
+    return {name: dequantize(array, arrays[name + SCALE_SUFFIX], dtype) if name + SCALE_SUFFIX in arrays else array
+            for name, array in arrays.items() if not name.endswith(SCALE_SUFFIX)}

@@ -4,6 +4,7 @@ quantized layout says."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -28,8 +29,11 @@ def quantized_arrays(arrays: Mapping[str, jax.Array], specs: Mapping[str, jax.Sh
     return out
 
 
+@functools.cache
 def _quantizer(fmt: WeightFormat, weight_sharding: jax.sharding.Sharding, scale_sharding: jax.sharding.Sharding):
-    return jax.jit(lambda weight: quantize(weight, fmt), out_shardings=(weight_sharding, scale_sharding))
+    """One jitted quantization per format and layout, so projections of one shape (gate and up, k and v) share a
+    compile."""
+    return jax.jit(functools.partial(quantize, fmt=fmt), out_shardings=(weight_sharding, scale_sharding))
 
 
 def dequantized_arrays(arrays: Mapping[str, jax.Array], dtype) -> dict[str, jax.Array]:

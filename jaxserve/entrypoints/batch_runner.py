@@ -19,7 +19,7 @@ from jaxserve.entrypoints.openai_body import (chat_completion_body, check_output
                                               default_max_tokens, error_body, sampling_params_from_body)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, completion_prompt, is_prompt_list
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body
-from jaxserve.entrypoints.tool_calls import ToolCalling, check_tool_schemas, tool_calling_from_body
+from jaxserve.entrypoints.tool_calls import ToolCalling, checked_tool_calling
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -80,9 +80,7 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
             if body.get(unanswerable):
                 raise InvalidRequestError(f"{unanswerable} is not supported by run-batch, which writes each whole "
                                           "response as one line", param=unanswerable)
-        tool_calling = tool_calling_from_body(body) if chat else None
-        if tool_calling is not None:
-            check_tool_schemas(tool_calling, llm.engine.grammars)
+        tool_calling = checked_tool_calling(body, llm.engine.grammars) if chat else None
         prompt = (chat_prompt(llm.tokenizer, body["messages"], body.get("add_generation_prompt", True),
                               tools=tool_calling.tools if tool_calling is not None else None) if chat
                   else _completion_prompt(llm, body))

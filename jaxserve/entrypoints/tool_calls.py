@@ -293,9 +293,17 @@ def delta_tool_calls(events: Iterable[ParsedEvent]) -> list[dict[str, Any]]:
     return list(entries.values())
 
 
-def check_tool_schemas(calling: ToolCalling, grammars: Any) -> None:
-    """Every tool's arguments schema compiled by `grammars` (the engine's GrammarCompiler, or anything with its
-    `check`), so a schema the grammar engine cannot use is a 400 naming the tool."""
+def checked_tool_calling(fields: dict[str, Any], grammars: Any) -> ToolCalling | None:
+    """`tool_calling_from_body`, with every tool's arguments schema compiled by `grammars` (the engine's
+    GrammarCompiler, or anything with its `check`), so a schema the grammar engine cannot use is a 400 naming the
+    tool before the conversation is rendered."""
+    calling = tool_calling_from_body(fields)
+    if calling is not None:
+        _check_tool_schemas(calling, grammars)
+    return calling
+
+
+def _check_tool_schemas(calling: ToolCalling, grammars: Any) -> None:
     for index, schema in calling.parameter_schemas():
         try:
             grammars.check(StructuredOutputsParams(json=schema))

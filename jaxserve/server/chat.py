@@ -17,7 +17,8 @@ from jaxserve.entrypoints.openai_body import (chat_completion_body, chat_complet
                                               usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, parse_body
-from jaxserve.entrypoints.tool_calls import ContentText, ToolCalling, ToolCallParser, delta_tool_calls
+from jaxserve.entrypoints.tool_calls import (ContentText, ToolCalling, ToolCallParser, checked_tool_calling,
+                                             delta_tool_calls)
 from jaxserve.entrypoints.protocol_responses import ChatCompletionChunk, ChatCompletionResponse
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -25,8 +26,7 @@ from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import streamed_response
 from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
 from jaxserve.server.openapi import RouteSchema, declares
-from jaxserve.server.request_fields import (check_constraint, check_limits, checked_tool_calling, conversation_prompt,
-                                           flag, include_usage)
+from jaxserve.server.request_fields import check_constraint, check_limits, conversation_prompt, flag, include_usage
 from jaxserve.server.streams import final_outputs, merged_events
 from jaxserve.tokenizer import Tokenizer
 
@@ -75,7 +75,7 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
                       context.max_model_len)
     check_model(body.model, context)
     fields = body.model_dump(exclude_none=True)
-    tool_calling = checked_tool_calling(fields, context)
+    tool_calling = checked_tool_calling(fields, context.engine.engine.grammars)
     prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
                                  tools=tool_calling.tools if tool_calling is not None else None)
     params = sampling_params_from_body(fields, chat=True, default_max_tokens=default_max_tokens(

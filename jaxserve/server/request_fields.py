@@ -10,7 +10,7 @@ from typing import Any
 from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.openai_body import check_output_constraint
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
-from jaxserve.entrypoints.tool_calls import ToolCalling, check_tool_schemas, tool_calling_from_body
+from jaxserve.entrypoints.tool_calls import ToolCalling
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.api_errors import ApiError
 from jaxserve.server.app import ServerContext
@@ -54,13 +54,6 @@ def check_constraint(params: SamplingParams, fields: dict[str, Any], context: Se
     worker thread: what cannot compile is a 400 that never reaches the engine."""
     check_output_constraint(params, fields, context.engine.engine.grammars, tool_calling)
 
-
-def checked_tool_calling(fields: dict[str, Any], context: ServerContext) -> ToolCalling | None:
-    """A chat body's tools and tool_choice, every tool's schema compiled (a 400 naming the tool at fault)."""
-    tool_calling = tool_calling_from_body(fields)
-    if tool_calling is not None:
-        check_tool_schemas(tool_calling, context.engine.engine.grammars)
-    return tool_calling
 
 
 def conversation_prompt(messages: list[dict[str, Any]], context: ServerContext, add_generation_prompt: bool,

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from jaxserve.errors import ConfigError
+from jaxserve.speculative_config import SpeculativeConfig
 
 DEFAULT_COMPILATION_CACHE = str(Path.home() / ".cache" / "jaxserve" / "xla")
 
@@ -89,6 +90,11 @@ class EngineConfig:
     pallas_interpret: bool = _setting(False, "run the Pallas kernel through Pallas' interpreter (slow; on any "
                                       "device, CPU included)")
 
+    # Speculative decoding: str (the flag's JSON) or dict (LLM(...)) on the way in, a SpeculativeConfig once created.
+    speculative_config: str | dict | SpeculativeConfig | None = _setting(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+        "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} (default: off)")
+
     # Requests.
     seed: int = _setting(0, "seeds the draws of requests that bring no seed of their own")
     scheduling_policy: str = _setting(FCFS_POLICY, "fcfs (first come, first served) or priority: requests are "
@@ -118,6 +124,7 @@ class EngineConfig:
         for name in ("model", "tokenizer", "compilation_cache_dir"):
             if isinstance(getattr(self, name), Path):  # folders may come as paths; the config keeps text
                 object.__setattr__(self, name, str(getattr(self, name)))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name), _HINTS[field.name])
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",

@@ -130,6 +130,11 @@ class SamplingParams:
         """
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def uses_penalties(self) -> bool:
+        """A repetition, frequency or presence penalty applies: each draw reads every earlier token."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
 
 def _require(ok: bool, param: str, message: str) -> None:
     if not ok:

@@ -55,10 +55,17 @@ class ScheduledSequence:
     samples: bool  # all known tokens are computed after this chunk, so the last token's logits are sampled
     wants_prompt_logits: bool  # return logits of every token of the chunk: it scores prompt tokens (prompt_logprobs)
     sampling: SamplingRow  # how the sequence's next token is drawn (used when `samples`) and its prompt scored
+    # Speculative decoding: the last num_draft_tokens of token_ids are proposed, not known; the step scores each
+    # against the target and keeps the longest accepted run (only in a sampling chunk whose other ids are known).
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,8 @@ MODEL = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)
 INT8_TP_SIZES = (1, 4)
 # A float8 KV pool split over KV heads (one repeated head per device at 4), its per-layer scales replicated.
 FP8_KV_TP_SIZES = (1, 4)
+# Drafts verified over a split vocabulary (logits gathered for K + 1 rows per sequence).
+SPECULATIVE_TP_SIZES = (4,)
 # Small buckets (7 programs) keep four engines' start-up compiles within the test's budget.
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, block_size=8,
               num_kv_pages=24, use_tqdm_on_load=False)
@@ -46,6 +48,17 @@ def pallas_report(model_dir: Path, tp: int) -> dict:
     llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp,
               attention_backend="pallas", pallas_interpret=True, **ENGINE)
     return dict(tokens=greedy_tokens(llm), compiles_after_warmup=llm.engine.compiles_after_warmup)
+
+
+def speculative_report(model_dir: Path, tp: int) -> dict:
+    """Greedy tokens with drafts verified under tensor parallelism: random drafts, so rollback runs nearly always."""
+    llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, **ENGINE)
+    rng = np.random.default_rng(0)
+    llm.engine.scheduler.proposer.propose = lambda tokens, count: tuple(int(t) for t in rng.integers(3, 500, count))
+    tokens = greedy_tokens(llm)
+    return dict(tokens=tokens, compiles_after_warmup=llm.engine.compiles_after_warmup,
+                num_draft_tokens=llm.engine.stats().spec_decode.num_draft_tokens)
 
 
 def engine_report(model_dir: Path, tp: int, quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
@@ -141,6 +154,7 @@ def main(work_dir: Path) -> None:
               "pallas_engines": {tp: pallas_report(model_dir, tp) for tp in PALLAS_TP_SIZES},
               "int8_engines": {tp: engine_report(model_dir, tp, "int8") for tp in INT8_TP_SIZES},
               "fp8_kv_engines": {tp: engine_report(model_dir, tp, kv_cache_dtype="fp8") for tp in FP8_KV_TP_SIZES},
+              "speculative_engines": {tp: speculative_report(model_dir, tp) for tp in SPECULATIVE_TP_SIZES},
               "orbax_matches_safetensors": orbax_matches_safetensors(model_dir, work_dir / "orbax", tp=4),
               "builtin_matches_single_device": builtin_matches_single_device(tp=4),
               "shard_reads": shard_reads(model_dir, tp=8)}

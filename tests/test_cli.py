@@ -34,6 +34,7 @@ def test_generate_on_the_builtin_model():
     (["generate", "--tensor-parallel-size", "2"], "needs that many devices"),  # the test process sees one CPU
     (["serve", "--coordinator", "127.0.0.1:1234"], "go together"),
     (["serve", "--stream-timeout", "0"], "stream_timeout_s must be positive"),
+    (["serve", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "unknown method"),
     (["serve", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
     (["serve", "--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
      "process_id must be in [0, 2)"),

@@ -10,6 +10,8 @@ from jaxserve.reference.reference_llm import ReferenceLLM
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
               num_kv_pages=40, use_tqdm_on_load=False)
 TINY_POOL = dict(ENGINE, num_kv_pages=12)  # 88 token slots for four sequences of up to 64: forces preemption
+# Prompt lookup down to one token: drafts are frequent, mostly wrong, so rollback runs often.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
 
 
 def _workload(seed=0, count=10):
@@ -39,6 +41,7 @@ def reference_outputs():
     {"async_scheduling": False},
     {"async_scheduling": False, "enable_prefix_caching": False, "enable_chunked_prefill": False},
     {"attention_backend": "pallas", "pallas_interpret": True},  # the Pallas kernel, run by Pallas' interpreter
+    {"speculative_config": NGRAM},
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "all-on")
 def test_engine_greedy_tokens_equal_the_reference(reference_outputs, switches):
     llm = LLM(**ENGINE, **switches)
@@ -58,6 +61,20 @@ def test_preemption_by_recompute_keeps_outputs_exact(reference_outputs, tiny_poo
     outputs = tiny_pool_llm.generate(prompts, params, use_tqdm=False)
     assert tiny_pool_llm.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
+
+
+def test_preemption_with_speculation_keeps_outputs_exact(reference_outputs):
+    """Drafts take pages too: rejected ones give theirs back, and a preempted request recomputes without them."""
+    llm = LLM(**dict(TINY_POOL, num_kv_pages=10), speculative_config=NGRAM)
+    rng = np.random.default_rng(2)
+    # Every sampling chunk gets all the drafts that fit, nearly all of them wrong: the pool fills up.
+    llm.engine.scheduler.proposer.propose = lambda tokens, count: tuple(int(t) for t in rng.integers(3, 500, count))
+    prompts, params = _workload()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode.num_draft_tokens > 0
+    assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
+    assert stats.num_pages_used == 0
 
 
 def _finish_order(llm, prompts, params, priorities=None) -> tuple[list[int], list[tuple[int, ...]]]:

@@ -60,6 +60,12 @@ def test_a_float8_kv_pool_splits_over_kv_heads_and_decodes_alike(report):
     assert split["collectives"] == report[4]["collectives"]
 
 
+def test_drafts_verified_under_tensor_parallelism_change_no_token(report):
+    speculative = report["speculative_engines"]["4"]
+    assert speculative["tokens"] == report[1]["tokens"]
+    assert speculative["num_draft_tokens"] > 0 and speculative["compiles_after_warmup"] == 0
+
+
 def test_fewer_kv_heads_than_devices_are_repeated_at_load_time(report):
     # The model stores 2 KV heads: TP 4 and 8 run with one (repeated) KV head per device.
     assert [report[tp]["kv_heads"] for tp in (1, 2, 4, 8)] == [2, 2, 4, 8]

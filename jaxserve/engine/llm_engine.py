@@ -31,10 +31,9 @@ from jaxserve.engine.startup import start_runner
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
-from jaxserve.runner.model_runner import PendingStep, PromptScores, SampledBatch
-from jaxserve.runner.sampler import uses_penalties
+from jaxserve.runner.model_runner import AcceptedDrafts, PendingStep, PromptScores, SampledBatch
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.schedule import SchedulerOutput
+from jaxserve.schedule import ScheduledSequence, SchedulerOutput
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -185,9 +184,10 @@ class LLMEngine:
 
     def _may_overlap(self) -> bool:
         """Async overlap schedules a step before the previous one's tokens are read back, which penalties (they
-        count the outputs) and grammars (each mask follows every earlier token) cannot wait for."""
-        return self.config.async_scheduling and not any(
-            uses_penalties(request.params) or request.grammar is not None
+        count the outputs), grammars (each mask follows every earlier token) and speculative decoding (drafts
+        continue the known tokens) cannot wait for."""
+        return self.config.async_scheduling and self.config.speculative_config is None and not any(
+            request.params.uses_penalties or request.grammar is not None
             for request in map(self.scheduler.get_request, self._parent_of) if request is not None
         )
 
@@ -197,13 +197,28 @@ class LLMEngine:
         self._record_prompt_scores(in_flight.schedule, batch)
         sampled = {s.request_id: int(batch.token_ids[row])
                    for row, s in enumerate(in_flight.schedule.sequences) if s.samples and s.request_id in self._parent_of}
-        self.scheduler.update_from_output(in_flight.schedule, sampled)
+        accepted = {in_flight.schedule.sequences[row].request_id: drafts
+                    for row, drafts in batch.accepted_drafts.items()}
+        self.scheduler.update_from_output(in_flight.schedule, sampled,
+                                          {request_id: len(drafts.token_ids) for request_id, drafts in accepted.items()})
         finished = []
         for row, scheduled in enumerate(in_flight.schedule.sequences):
             if scheduled.request_id in sampled:
-                output = self._append(scheduled.request_id, _sampled_token(batch, row, self._logprobs_of(scheduled)))
+                output = self._append_run(scheduled, accepted.get(scheduled.request_id), batch, row)
                 finished += [output] if output is not None else []
         return finished
+
+    def _append_run(self, scheduled: ScheduledSequence, drafts: AcceptedDrafts | None, batch: SampledBatch,
+                    row: int) -> RequestOutput | None:
+        """Appends a row's accepted drafts, then its sampled token, one by one until its sequence finishes (a stop
+        string or max_tokens may land inside the run): the output it finished with, or None."""
+        num_top = self._logprobs_of(scheduled)
+        tokens = [_sampled_token(drafts, j, num_top) for j in range(len(drafts.token_ids))] if drafts else []
+        for token in [*tokens, _sampled_token(batch, row, num_top)]:
+            output = self._append(scheduled.request_id, token)
+            if scheduled.request_id not in self._parent_of:  # finished with this token
+                return output
+        return None
 
     def _record_prompt_scores(self, schedule: SchedulerOutput, batch: SampledBatch) -> None:
         for row, scores in batch.prompt_scores.items():
@@ -266,7 +281,7 @@ class LLMEngine:
                                       f"{params.top_k}", param="top_k")
 
 
-def _sampled_token(batch: SampledBatch | PromptScores, row: int, num_top: int) -> SampledToken:
+def _sampled_token(batch: SampledBatch | PromptScores | AcceptedDrafts, row: int, num_top: int) -> SampledToken:
     top = tuple((int(t), float(lp)) for t, lp in zip(batch.top_ids[row, :num_top], batch.top_logprobs[row, :num_top]))
     return SampledToken(token_id=int(batch.token_ids[row]), logprob=float(batch.logprobs[row]),
                         rank=int(batch.ranks[row]), top=top)

@@ -112,16 +112,22 @@ class Request:
         self.output_token_ids.append(PENDING_TOKEN)
         self.num_pending_tokens += 1
 
-    def resolve_pending_token(self, token_id: int) -> None:
-        """Replaces the oldest pending output by the id sampled for it."""
+    def resolve_pending_token(self, token_id: int, accepted_drafts: Sequence[int] = ()) -> None:
+        """Replaces the oldest pending output by the id sampled for it, preceded by the drafts the step accepted
+        (speculative decoding, where the pending token is the only one)."""
         if self.num_pending_tokens == 0:
             raise RuntimeError(f"request {self.request_id!r} has no pending token to resolve")
+        if accepted_drafts and self.num_pending_tokens > 1:
+            raise RuntimeError(f"request {self.request_id!r} accepted drafts behind another pending token")
         position = self.num_tokens - self.num_pending_tokens
-        self._token_ids[position] = token_id
-        self.output_token_ids[position - self.num_prompt_tokens] = token_id
+        tokens = [*accepted_drafts, token_id]
+        self._token_ids[position:position + 1] = tokens
+        output_position = position - self.num_prompt_tokens
+        self.output_token_ids[output_position:output_position + 1] = tokens
         self.num_pending_tokens -= 1
         if self.grammar is not None:
-            self.grammar.accept(token_id)
+            for token in tokens:
+                self.grammar.accept(token)
 
     def reset_for_recompute(self) -> None:
         """Forgets computed state after preemption; prompt and outputs stay, to be computed again."""

@@ -56,9 +56,11 @@ from jaxserve.engine.page_pool import ROOT_KEY, PagePool, PrefixMatch
 from jaxserve.engine.prompt_checks import check_prompt_length
 from jaxserve.config import FCFS_POLICY, PRIORITY_POLICY, EngineConfig
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.scheduler_stats import SchedulerStats
+from jaxserve.engine.ngram_proposer import NgramProposer
+from jaxserve.engine.scheduler_stats import SchedulerStats, SpecDecodeStats
 from jaxserve.errors import InvalidRequestError
 from jaxserve.schedule import SamplingRow, ScheduledSequence, SchedulerOutput
+from jaxserve.speculative_config import NGRAM_METHOD
 
 _NO_PREFIX = PrefixMatch()
 _RANK = operator.attrgetter("rank")  # the sort key of both queues
@@ -91,6 +93,11 @@ class Scheduler:
         self._steps_in_flight: set[int] = set()
         self._num_preemptions = 0
         self._num_steps = 0
+        spec = config.speculative_config
+        # Speculative decoding: drafts proposed for sampling chunks, and what became of them.
+        self.proposer = NgramProposer(spec) if spec is not None and spec.method == NGRAM_METHOD else None
+        self._num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * self._num_speculative_tokens)
 
     def add_request(self, request: Request) -> None:
         """Queues a request; raises InvalidRequestError, changing nothing, if it could never run."""
@@ -120,6 +127,8 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted and not (self.config.static_batching and batch_in_progress):
             self._admit_waiting(plan)
+        if self.proposer is not None:
+            self._add_drafts(plan)
         for scheduled in plan.sequences:
             self._register_full_pages(self._requests[scheduled.request_id])
         return self._emit(plan)
@@ -128,17 +137,25 @@ class Scheduler:
         """After a failed step (its requests aborted): the outputs of the steps scheduled so far never come back."""
         self._steps_in_flight.clear()
 
-    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
-        """Fills in the tokens sampled in `output`'s step: `sampled` maps each sampling sequence to its token id.
+    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
+                           num_accepted: Mapping[str, int] | None = None) -> None:
+        """Fills in the tokens sampled in `output`'s step: `sampled` maps each sampling sequence to its token id,
+        `num_accepted` each sequence that brought drafts to how many of them the step accepted.
 
         Outputs must come back in step order. Results of requests finished meanwhile are dropped.
         """
         self._steps_in_flight.discard(output.step)
+        num_accepted = num_accepted or {}
         for scheduled in output.sequences:
+            if scheduled.num_draft_tokens:
+                self.spec_stats.record(scheduled.num_draft_tokens, num_accepted[scheduled.request_id])
             request = self._requests.get(scheduled.request_id)
             if not scheduled.samples or request is None or request.num_pending_tokens == 0:
                 continue
-            request.resolve_pending_token(sampled[scheduled.request_id])
+            accepted = scheduled.draft_token_ids[:num_accepted.get(scheduled.request_id, 0)]
+            request.resolve_pending_token(sampled[scheduled.request_id], accepted)
+            if scheduled.num_draft_tokens:
+                self._roll_back_rejected(request, scheduled.num_draft_tokens - len(accepted))
             # A preempted request keeps this token (it was sampled from intact pages) but holds no pages to register.
             self._register_full_pages(request)
 
@@ -169,6 +186,7 @@ class Scheduler:
             prefix_queried_tokens=self.pool.prefix_queried_tokens,
             prefix_hit_tokens=self.pool.prefix_hit_tokens,
             num_steps=self._num_steps,
+            spec_decode=self.spec_stats.snapshot(),
         )
 
     def _rank_on_arrival(self, request: Request) -> tuple[int, int]:
@@ -273,6 +291,48 @@ class Scheduler:
         ))
         plan.token_budget -= num_new
 
+    def _add_drafts(self, plan: _StepPlan) -> None:
+        """Extends the step's sampling chunks with proposed drafts, from the token budget and pages left.
+
+        Drafts fill what the batch leaves over: they never preempt, never delay an admission, and a step that
+        scores prompts or applies penalties gets none (its programs verify no drafts).
+        """
+        if any(c.wants_prompt_logits or c.sampling.params.uses_penalties for c in plan.sequences):
+            return
+        for index, chunk in enumerate(plan.sequences):
+            if plan.token_budget <= 0:
+                return
+            request = self._requests[chunk.request_id]
+            drafts = self._propose(request, min(self._num_speculative_tokens, plan.token_budget)) \
+                if chunk.samples and _may_draft(request) else ()
+            if drafts:
+                request.num_computed_tokens += len(drafts)
+                plan.sequences[index] = dataclasses.replace(chunk, token_ids=chunk.token_ids + drafts,
+                                                            page_ids=tuple(request.page_ids),
+                                                            num_draft_tokens=len(drafts))
+                plan.token_budget -= len(drafts)
+
+    def _propose(self, request: Request, max_drafts: int) -> tuple[int, ...]:
+        """Drafts to follow the request's known tokens: no more than max_drafts, than its max_tokens leaves room for
+        (the step emits one token past them) or than fit the pages it holds or can get; their pages allocated."""
+        stop = request.num_computed_tokens
+        room_in_pages = (len(request.page_ids) + self.pool.num_allocatable) * self.page_size - stop
+        max_drafts = min(max_drafts, request.max_new_tokens - request.num_output_tokens, room_in_pages)
+        drafts = self.proposer.propose(request.token_ids(0, request.num_known_tokens), max_drafts)
+        missing_pages = self._pages_for(stop + len(drafts)) - len(request.page_ids)
+        if missing_pages > 0:
+            request.page_ids.extend(self.pool.allocate(missing_pages))
+        return drafts
+
+    def _roll_back_rejected(self, request: Request, num_rejected: int) -> None:
+        """Forgets the KV of rejected drafts: the tokens after the accepted run are computed again from the right
+        ones, and pages holding nothing but rejected drafts go back (never registered: drafts are not known)."""
+        request.num_computed_tokens -= num_rejected
+        keep = self._pages_for(request.num_computed_tokens)
+        if len(request.page_ids) > keep:
+            self.pool.release(reversed(request.page_ids[keep:]))
+            del request.page_ids[keep:]
+
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self._running.remove(request)
         self._release_pages(request)
@@ -319,6 +379,13 @@ def check_priority(priority: int, policy: str) -> None:
         raise InvalidRequestError(f"priority {priority} needs priority scheduling, but this engine serves first come, "
                                   f"first served: start it with scheduling_policy {PRIORITY_POLICY} "
                                   f"(--scheduling-policy {PRIORITY_POLICY})", param="priority")
+
+
+def _may_draft(request: Request) -> bool:
+    """Speculation applies to the request's next draws: its only pending token is this step's (every other id is
+    known), no grammar constrains it and min_tokens is met (each draw of a run would need its own EOS mask)."""
+    return (request.num_pending_tokens == 1 and request.grammar is None
+            and request.num_output_tokens > request.params.min_tokens)
 
 
 def _sampling_row(request: Request, samples: bool) -> SamplingRow:

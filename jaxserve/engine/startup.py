@@ -19,10 +19,12 @@ from jaxserve.checkpoint import LoadedModel, ModelPlan
 from jaxserve.checkpoint.loading import weight_bytes_per_device
 from jaxserve.config import EngineConfig
 from jaxserve.device_memory import allocator_fraction
+from jaxserve.errors import ConfigError
 from jaxserve.engine.kv_sizing import bytes_per_page, device_memory_stats, resolve_num_pages
 from jaxserve.model.kv_quantization import is_float8, kv_pool_dtype
 from jaxserve.parallel.process_group import smallest_across_processes
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.speculative_config import NGRAM_METHOD
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig,
     """A runner with every program compiled, its weights attached and its pool allocated, and `config` with the
     pool's size filled in. `config` must have max_model_len resolved (EngineConfig.with_model_limit)."""
     started = time.perf_counter()
+    check_speculation(config)
     enable_compilation_cache(config)
     planned = isinstance(model, ModelPlan)
     runner = ModelRunner(model.config, model.graphdef, model.abstract_params if planned else model.params,
@@ -69,6 +72,18 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig,
     return runner, config, startup
 
 
+def check_speculation(config: EngineConfig) -> None:
+    """Refuses speculative settings the step limits cannot hold, or a method this engine lacks, before compiling."""
+    spec = config.speculative_config
+    if spec is None:
+        return
+    if spec.method != NGRAM_METHOD:
+        raise ConfigError(f"speculative_config: the {spec.method} method is not supported yet; use \"ngram\"")
+    if spec.num_speculative_tokens + 1 > config.require("max_num_batched_tokens"):
+        raise ConfigError(f"speculative_config: num_speculative_tokens ({spec.num_speculative_tokens}) plus the "
+                          f"sampled token must fit max_num_batched_tokens ({config.max_num_batched_tokens})")
+
+
 def serving_summary(model: LoadedModel | ModelPlan, config: EngineConfig) -> str:
     """One line of what runs: model, dtype, devices, step limits, weight and KV cache bytes per device."""
     devices = model.mesh.devices.flatten() if model.mesh is not None else jax.local_devices()[:1]
@@ -81,7 +96,16 @@ def serving_summary(model: LoadedModel | ModelPlan, config: EngineConfig) -> str
             f"{len(devices)} x {devices[0].device_kind}; max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
             f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}; weights {_size(weights)} per "
             f"device; KV cache {pool} pages = {pool * config.block_size} tokens ({_size(pool * per_page)} per device, "
-            f"{per_page // config.block_size} bytes per token in {kv_dtype.name}{_scales_note(model, kv_dtype)})")
+            f"{per_page // config.block_size} bytes per token in {kv_dtype.name}{_scales_note(model, kv_dtype)})"
+            f"{_speculation_note(config)}")
+
+
+def _speculation_note(config: EngineConfig) -> str:
+    spec = config.speculative_config
+    if spec is None:
+        return ""
+    return (f"; speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} drafts per step, lookup "
+            f"{spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens")
 
 
 def _scales_note(model: LoadedModel | ModelPlan, kv_dtype) -> str:

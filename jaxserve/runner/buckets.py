@@ -14,7 +14,8 @@ The sampler's truncation (top-k/top-p/min-p) is a masked no-op where unused, so 
 they read each row's whole token history, an [S, max_model_len] array sent every step (at 256 rows and a 128k
 context, 160 MB), so every shape has a variant with that history and one whose history is one column wide.
 Steps that score prompt tokens (prompt_logprobs, evaluation traffic) have their own variant once per token count,
-with penalties. At 64 sequences and 8192 tokens that is 55 programs (21 shapes: 11 decode and 13 mixed, of which 3
+with penalties. With speculative decoding, steps carrying drafts have a verifying variant once per token count
+(without penalties or scoring: the scheduler proposes no drafts into such steps). At 64 sequences and 8192 tokens that is 55 programs (21 shapes: 11 decode and 13 mixed, of which 3
 coincide, twice each, and 13 scoring); 63 at 256 sequences; the full product with four sampler variants was 276. `benchmarks/padding_waste.py` measures what
 the grid costs in padding.
 """
@@ -35,6 +36,7 @@ class StepBucket:
     num_seqs: int  # S: sequence rows (block tables, sampling rows)
     prompt_logits: bool = False  # every token's next-token log-probabilities are scored too (prompt_logprobs)
     penalties: bool = False  # rows carry their token histories (a row uses a repetition/frequency/presence penalty)
+    drafts: bool = False  # rows may bring speculative drafts, verified in the step (never with the two above)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +46,12 @@ class BucketSet:
     decode_sizes: tuple[int, ...]  # ascending sequence counts of the decode buckets; the last is max_num_seqs
     token_sizes: tuple[int, ...]  # ascending token counts of the mixed buckets; the last is >= max_num_batched_tokens
     max_num_seqs: int  # most sequence rows of any bucket
+    speculative: bool = False  # the mixed family also has a variant verifying drafts (speculative decoding)
 
     @classmethod
-    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int) -> BucketSet:
-        return cls(decode_sizes=decode_sizes(max_num_seqs),
-                   token_sizes=token_sizes(max_num_batched_tokens), max_num_seqs=max_num_seqs)
+    def for_limits(cls, max_num_batched_tokens: int, max_num_seqs: int, speculative: bool = False) -> BucketSet:
+        return cls(decode_sizes=decode_sizes(max_num_seqs), token_sizes=token_sizes(max_num_batched_tokens),
+                   max_num_seqs=max_num_seqs, speculative=speculative)
 
     @property
     def max_rows(self) -> int:
@@ -61,13 +64,20 @@ class BucketSet:
         shapes = [StepBucket(s, s) for s in self.decode_sizes] + [self._mixed(t) for t in self.token_sizes]
         plain = [dataclasses.replace(b, penalties=penalties) for penalties in (False, True) for b in shapes]
         scoring = [self._mixed(t, prompt_logits=True) for t in self.token_sizes]
-        return list(dict.fromkeys(plain + scoring))
+        verifying = [dataclasses.replace(self._mixed(t), drafts=True) for t in self.token_sizes] if self.speculative \
+            else []
+        return list(dict.fromkeys(plain + scoring + verifying))
 
     def select(self, num_tokens: int, num_seqs: int, prompt_logits: bool = False,
-               penalties: bool = False) -> StepBucket:
+               penalties: bool = False, drafts: bool = False) -> StepBucket:
         """The smallest bucket holding a batch of this size: a decode bucket when every sequence brings one token
-        (and no prompt is scored), else the mixed (or scoring) bucket of its token count; with token histories
-        when a row uses a penalty (scoring buckets always carry them)."""
+        (and no prompt is scored), else the mixed (or scoring, or verifying) bucket of its token count; with token
+        histories when a row uses a penalty (scoring buckets always carry them). Drafts never share a step with
+        penalties or prompt scoring (the scheduler proposes none there)."""
+        if drafts:
+            if prompt_logits or penalties or not self.speculative:
+                raise ValueError("drafts need a speculative bucket set and a step without penalties or prompt scoring")
+            return dataclasses.replace(self._mixed(next(t for t in self.token_sizes if t >= num_tokens)), drafts=True)
         if num_tokens == num_seqs and not prompt_logits:
             size = next(s for s in self.decode_sizes if s >= num_seqs)
             return StepBucket(size, size, penalties=penalties)

@@ -12,7 +12,8 @@ and launches the same program.
 
 A step holding chunks that score prompt tokens (prompt_logprobs) runs the bucket's prompt-logits variant, which also
 returns, for every token of those chunks, the log-probability of the next prompt token; the host reads them back
-together with the samples.
+together with the samples. A step holding speculative drafts runs the bucket's verifying variant
+(jaxserve/runner/speculative.py), which returns, per row, the accepted drafts and the token sampled after them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
-from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors, uses_penalties
+from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors
+from jaxserve.runner.speculative import VerifiedDrafts, build_draft_arrays
 from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_step
 from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput, mask_width
 
@@ -71,6 +73,17 @@ class _PromptSpan:
 
 
 @dataclasses.dataclass(frozen=True)
+class AcceptedDrafts:
+    """One row's drafts that the target accepted, in order, each scored by the target."""
+
+    token_ids: np.ndarray  # i32[a]: the accepted drafts
+    logprobs: np.ndarray  # f32[a]: of each, from the raw logits
+    ranks: np.ndarray  # i32[a]
+    top_ids: np.ndarray  # i32[a, max_logprobs]
+    top_logprobs: np.ndarray  # f32[a, max_logprobs]
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledBatch:
     """A step's samples on the host, row i belonging to the i-th scheduled chunk."""
 
@@ -80,25 +93,31 @@ class SampledBatch:
     top_ids: np.ndarray  # i32[n, max_logprobs]
     top_logprobs: np.ndarray  # f32[n, max_logprobs]
     prompt_scores: dict[int, PromptScores] = dataclasses.field(default_factory=dict)  # row -> its prompt scores
+    # Row -> its accepted drafts, which come before its sampled token; rows that brought drafts only (even if none
+    # was accepted)
+    accepted_drafts: dict[int, AcceptedDrafts] = dataclasses.field(default_factory=dict)
 
 
 class PendingStep:
     """A dispatched step; `fetch` waits for its samples and prompt scores (the only host sync of a step)."""
 
-    def __init__(self, result: StepResult, num_rows: int, prompt_spans: Sequence[_PromptSpan] = ()):
-        self._outputs = (result.sampled, result.prompt_scores)
+    def __init__(self, result: StepResult, num_rows: int, prompt_spans: Sequence[_PromptSpan] = (),
+                 draft_rows: Sequence[int] = ()):
+        self._outputs = (result.sampled, result.prompt_scores, result.drafts)
         self._num_rows = num_rows
         self._prompt_spans = prompt_spans
+        self._draft_rows = draft_rows  # rows that brought drafts
         for leaf in jax.tree.leaves(self._outputs):
             leaf.copy_to_host_async()
 
     def fetch(self) -> SampledBatch:
         with jax.profiler.TraceAnnotation("read_back"):
-            host, prompt = jax.device_get(self._outputs)
+            host, prompt, drafts = jax.device_get(self._outputs)
         n = self._num_rows
         return SampledBatch(token_ids=host.token_ids[:n], logprobs=host.logprobs[:n], ranks=host.ranks[:n],
                             top_ids=host.top_ids[:n], top_logprobs=host.top_logprobs[:n],
-                            prompt_scores={span.row: _span_scores(prompt, span) for span in self._prompt_spans})
+                            prompt_scores={span.row: _span_scores(prompt, span) for span in self._prompt_spans},
+                            accepted_drafts={row: _accepted(drafts, row) for row in self._draft_rows})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +156,11 @@ class ModelRunner:
         self.attention_backend = checked_attention_backend(config, dtype, self.kv_dtype)
         self._replicated = NamedSharding(self.mesh, P())
         self._pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
-        self.buckets = BucketSet.for_limits(config.require("max_num_batched_tokens"),
-                                            config.require("max_num_seqs"))
+        self.buckets = BucketSet.for_limits(config.require("max_num_batched_tokens"), config.require("max_num_seqs"),
+                                            speculative=config.speculative_config is not None)
+        # Drafts per row of a verifying step (K), fixing its programs' shapes; 0 without speculative decoding.
+        self.num_speculative_tokens = (config.speculative_config.num_speculative_tokens
+                                       if config.speculative_config is not None else 0)
         self.guard = CompileGuard(raise_on_compile=config.raise_on_compile)
         self._history_width = 1 << (config.require("max_model_len") - 1).bit_length()
         self.pool: PagedKVCache | None = None  # allocated once sized: allocate_pool
@@ -166,9 +188,15 @@ class ModelRunner:
         (layers index the whole pool; no layer's pages are ever copied), so it is measured before the real pool
         exists, and the pool is sized to what is left.
         """
-        largest = self.buckets.select(self.config.max_num_batched_tokens, self.config.max_num_seqs, penalties=True)
+        tokens, rows = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        largest = [self.buckets.select(tokens, rows, penalties=True)]
+        if self.buckets.speculative:  # its sampler works on K + 1 logits rows per sequence
+            largest.append(self.buckets.select(tokens, rows, drafts=True))
+        return max(self._workspace_bytes(bucket, num_pages) for bucket in largest)
+
+    def _workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
         with self.guard.watch():
-            analysis = self._lower(largest, num_pages).compile().memory_analysis()
+            analysis = self._lower(bucket, num_pages).compile().memory_analysis()
         return int(analysis.temp_size_in_bytes) if analysis is not None else 0
 
     def load_params(self, params: nnx.State) -> None:
@@ -231,7 +259,8 @@ class ModelRunner:
         chunks = schedule.sequences
         bucket = self.buckets.select(sum(c.num_tokens for c in chunks), len(chunks),
                                      prompt_logits=any(c.wants_prompt_logits for c in chunks),
-                                     penalties=any(uses_penalties(c.sampling.params) for c in chunks))
+                                     penalties=any(c.sampling.params.uses_penalties for c in chunks),
+                                     drafts=any(c.num_draft_tokens for c in chunks))
         return bucket, self._step_arrays(chunks, bucket)
 
     def replace_lost_pool(self) -> None:
@@ -276,7 +305,8 @@ class ModelRunner:
                 self._channel.send_step(bucket, host_arrays)
         result = self._run_program(bucket, host_arrays)
         self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
-        return PendingStep(result, len(chunks), _prompt_spans(chunks) if bucket.prompt_logits else ())
+        return PendingStep(result, len(chunks), _prompt_spans(chunks) if bucket.prompt_logits else (),
+                           draft_rows=[row for row, c in enumerate(chunks) if c.num_draft_tokens])
 
     def _run_program(self, bucket: StepBucket, host_arrays: StepArrays) -> StepResult:
         """Launches the bucket's program on the pool; the same call on every process of a lockstep group."""
@@ -334,7 +364,9 @@ class ModelRunner:
                           metadata=inputs.metadata, sample_index=sample_index,
                           sampling=self._sampling_tensors(chunks, bucket),
                           prompt_targets=_prompt_targets(chunks, bucket.num_tokens) if bucket.prompt_logits
-                          else None)
+                          else None,
+                          drafts=build_draft_arrays(chunks, layout.last_token, bucket.num_seqs,
+                                                    self.num_speculative_tokens) if bucket.drafts else None)
 
     def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket):
         return build_sampling_tensors(
@@ -381,6 +413,15 @@ def _span_scores(scores: SamplerOutput, span: _PromptSpan) -> PromptScores:
     return PromptScores(first_position=span.first_position, token_ids=scores.token_ids[tokens],
                         logprobs=scores.logprobs[tokens], ranks=scores.ranks[tokens],
                         top_ids=scores.top_ids[tokens], top_logprobs=scores.top_logprobs[tokens])
+
+
+def _accepted(drafts: VerifiedDrafts, row: int) -> AcceptedDrafts:
+    """One row's accepted drafts (host arrays of a step's VerifiedDrafts)."""
+    count = int(drafts.num_accepted[row])
+    scores = drafts.accepted
+    return AcceptedDrafts(token_ids=scores.token_ids[row, :count], logprobs=scores.logprobs[row, :count],
+                          ranks=scores.ranks[row, :count], top_ids=scores.top_ids[row, :count],
+                          top_logprobs=scores.top_logprobs[row, :count])
 
 
 def _program_bar(verb: str, total: int, shown: bool) -> tqdm:

@@ -119,13 +119,21 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
 
 def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -> SamplerOutput:
     """Picks one token per row of logits f32[S, V]; num_top_logprobs (K) is static."""
+    raw_logprobs, processed = target_logits(logits, tensors)  # f32[S, V] both
+    token_ids = jnp.where(tensors.greedy, jnp.argmax(processed, axis=-1), _draw(processed, tensors))  # i32[S]
+    return describe_tokens(raw_logprobs, token_ids.astype(jnp.int32), num_top_logprobs)
+
+
+def target_logits(logits: jax.Array, tensors: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+    """(raw log-probabilities, processed logits) of logits f32[S, V]: the raw ones are what logprobs report, the
+    processed ones (grammar mask, min_tokens, logit_bias, penalties) what greedy rows take the argmax of and
+    sampled rows temper and truncate."""
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]: reported before anything changes the logits
     constrained = _apply_token_mask(logits, tensors.allowed)  # f32[S, V]
     processed = _apply_penalties(_apply_logit_bias(_apply_min_tokens(constrained, tensors), tensors),
                                  tensors.penalties)  # f32[S, V]
-    token_ids = jnp.where(tensors.greedy, jnp.argmax(processed, axis=-1), _draw(processed, tensors))  # i32[S]
-    return describe_tokens(raw_logprobs, token_ids.astype(jnp.int32), num_top_logprobs)
+    return raw_logprobs, processed
 
 
 def _apply_token_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:  # f32[S, V]
@@ -168,10 +176,22 @@ def _draw(processed: jax.Array, tensors: SamplingTensors) -> jax.Array:  # i32[S
     Noise is drawn over the vocabulary in id order from the row's own key, so a seeded row's tokens do not depend on
     its neighbours or its position in the batch.
     """
-    scaled = _truncate(processed / tensors.temperature[:, None], tensors.truncation)  # f32[S, V]
-    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(tensors.seeds, tensors.steps)
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[1:], jnp.float32))(keys)  # f32[S, V]
-    return jnp.argmax(scaled + noise, axis=-1)
+    scaled = tempered_logits(processed, tensors)  # f32[S, V]
+    return jnp.argmax(scaled + gumbel_noise(row_keys(tensors), scaled.shape[1]), axis=-1)
+
+
+def tempered_logits(processed: jax.Array, tensors: SamplingTensors) -> jax.Array:  # f32[S, V], dropped tokens -inf
+    """What a sampled row draws from: softmax of these is its distribution (temperature, then truncation)."""
+    return _truncate(processed / tensors.temperature[:, None], tensors.truncation)
+
+
+def row_keys(tensors: SamplingTensors) -> jax.Array:  # key[S]
+    """Each row's key for this draw: its seed with its step folded in."""
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(tensors.seeds, tensors.steps)
+
+
+def gumbel_noise(keys: jax.Array, vocab_size: int) -> jax.Array:  # f32[S, V]
+    return jax.vmap(lambda key: jax.random.gumbel(key, (vocab_size,), jnp.float32))(keys)
 
 
 def _truncate(scaled: jax.Array, truncation: TruncationTensors) -> jax.Array:  # f32[S, V], dropped tokens -inf
@@ -221,10 +241,6 @@ def _ids_blocked_by_min_tokens(params: SamplingParams, eos_token_ids: Sequence[i
     return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
 
 
-def uses_penalties(params: SamplingParams) -> bool:
-    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
-
-
 def uses_truncation(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
 
@@ -232,7 +248,7 @@ def uses_truncation(params: SamplingParams) -> bool:
 def _penalty_tensors(rows: Sequence[SamplingRow], num_rows: int, history_width: int | None) -> PenaltyTensors:
     """A row without a penalty gets an empty history: its neutral settings ignore it, and the host skips the copy.
     `history_width` 1 suits a batch where no row uses a penalty."""
-    penalised = [uses_penalties(r.params) for r in rows]
+    penalised = [r.params.uses_penalties for r in rows]
     histories = [list(r.prompt_ids) + list(r.output_ids) if p else [] for r, p in zip(rows, penalised)]
     from_output = [[False] * len(r.prompt_ids) + [True] * len(r.output_ids) if p else []
                    for r, p in zip(rows, penalised)]

@@ -1,4 +1,5 @@
-"""The jitted engine step: embeddings → layers → logits at the sampled rows → sampler (→ prompt-token scores).
+"""The jitted engine step: embeddings → layers → logits at the sampled rows → sampler (→ prompt-token scores), or,
+in a step carrying speculative drafts, logits at every draft's position → verification (runner/speculative.py).
 
 A pure function of (weights, pool, step arrays); the pool is donated, so the KV writes happen in place.
 """
@@ -15,6 +16,7 @@ from jax.sharding import NamedSharding
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, PagedKVCache
 from jaxserve.runner.sampler import SamplerOutput, SamplingTensors, describe_tokens, sample
+from jaxserve.runner.speculative import DraftArrays, VerifiedDrafts, verify_drafts
 
 # Logits rows materialised at once when scoring prompt tokens: memory stays at tile × vocab floats for any T.
 PROMPT_SCORE_TILE = 128
@@ -34,6 +36,8 @@ class StepArrays:
     # i32[T]: the prompt token following each token, 0 where none is scored; None (another compiled variant): no
     # chunk of the step scores prompt tokens
     prompt_targets: jax.Array | None = None
+    # Speculative decoding's drafts per row; None (another compiled variant): no row brings drafts
+    drafts: DraftArrays | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,7 @@ class StepResult:
     sampled: SamplerOutput  # one sampled token (with log-probabilities) per sequence row
     last_tokens: jax.Array  # i32[max_rows]: sampled ids padded to a fixed width, fed to the next step's pending tokens
     prompt_scores: SamplerOutput | None  # per token (T rows): its prompt_targets entry scored; None without targets
+    drafts: VerifiedDrafts | None = None  # the accepted drafts before each row's sampled token; None without drafts
 
 
 def run_step(
@@ -69,18 +74,27 @@ def run_step(
                        arrays.token_ids)  # i32[T]
     with jax.named_scope("layers"):
         hidden, pool = model(tokens[None], arrays.positions[None], pool.with_metadata(arrays.metadata))
-    with jax.named_scope("logits"):
-        # Split over the vocabulary under tensor parallelism; gathered here, for the S sampled rows only.
-        logits = _gathered_logits(model, hidden[0, arrays.sample_index], logits_shardings)  # f32[S, vocab]
-    with jax.named_scope("sample"):
-        sampled = sample(logits, arrays.sampling, num_top_logprobs)
+    verified = None
+    if arrays.drafts is None:
+        with jax.named_scope("logits"):
+            # Split over the vocabulary under tensor parallelism; gathered here, for the S sampled rows only.
+            logits = _gathered_logits(model, hidden[0, arrays.sample_index], logits_shardings)  # f32[S, vocab]
+        with jax.named_scope("sample"):
+            sampled = sample(logits, arrays.sampling, num_top_logprobs)
+    else:
+        with jax.named_scope("logits"):
+            index = arrays.drafts.logits_index.reshape(-1)  # i32[S * (K + 1)]
+            logits = _gathered_logits(model, hidden[0, index], logits_shardings)  # f32[S * (K + 1), vocab]
+        with jax.named_scope("verify_drafts"):
+            sampled, verified = verify_drafts(logits, arrays.drafts, arrays.sampling, num_top_logprobs)
     last_tokens = jnp.zeros_like(previous_tokens).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
     prompt_scores = None
     if arrays.prompt_targets is not None:
         with jax.named_scope("prompt_scores"):
             prompt_scores = score_next_tokens(model, hidden[0], arrays.prompt_targets, num_top_logprobs,
                                               logits_shardings)
-    return StepResult(sampled=sampled, last_tokens=last_tokens, prompt_scores=prompt_scores), pool.without_metadata()
+    return (StepResult(sampled=sampled, last_tokens=last_tokens, prompt_scores=prompt_scores, drafts=verified),
+            pool.without_metadata())
 
 
 def score_next_tokens(

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jaxserve.engine.async_engine import EngineEvent
-from jaxserve.engine.scheduler_stats import SchedulerStats
+from jaxserve.engine.scheduler_stats import SchedulerStats, SpecDecodeStats
 from jaxserve.outputs import CompletionDelta
 
 
@@ -130,6 +130,21 @@ class _EngineStatsCollector(Collector):
         yield _counter("jaxserve:num_preemptions", "Sequences preempted (pages taken back, recomputed later).",
                        stats.num_preemptions)
         yield _counter("jaxserve:num_engine_steps", "Batches the engine has run.", stats.num_steps)
+        yield from _spec_decode_counters(stats.spec_decode)
+
+
+def _spec_decode_counters(spec: SpecDecodeStats) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters (all 0 when speculation is off)."""
+    yield _counter("jaxserve:spec_decode_num_drafts", "Sequence steps that brought drafts.", spec.num_drafts)
+    yield _counter("jaxserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
+    yield _counter("jaxserve:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                   spec.num_accepted_tokens)
+    per_position = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by their position in the draft run (from 0).",
+                                       labels=["position"])
+    for position, count in enumerate(spec.accepted_per_position):
+        per_position.add_metric([str(position)], count)
+    yield per_position
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

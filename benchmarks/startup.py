@@ -101,7 +101,7 @@ def measure(model: str, layers: int, max_num_seqs: int, max_num_batched_tokens: 
                           num_kv_pages=ABSTRACT_POOL_PAGES if weights == "abstract" else None,
                           ).with_model_limit(plan.config.max_position_embeddings)
     if weights == "random":
-        _, _, stats = start_runner(plan, config, progress=False)
+        _, _, stats, _ = start_runner(plan, config, progress=False)
         stats = dataclasses.asdict(stats)
     else:
         stats = compile_only(plan, config)

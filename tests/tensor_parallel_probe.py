@@ -10,6 +10,7 @@ import sys
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
 import json  # noqa: E402
+import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -59,6 +60,16 @@ def speculative_report(model_dir: Path, tp: int) -> dict:
     tokens = greedy_tokens(llm)
     return dict(tokens=tokens, compiles_after_warmup=llm.engine.compiles_after_warmup,
                 num_draft_tokens=llm.engine.stats().spec_decode.num_draft_tokens)
+
+
+def draft_model_report(model_dir: Path, draft_dir: Path, tp: int) -> dict:
+    """Greedy tokens with a draft model of its own, split over the same devices as the target."""
+    llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp,
+              speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3}, **ENGINE)
+    tokens = greedy_tokens(llm)
+    return dict(tokens=tokens, compiles_after_warmup=llm.engine.compiles_after_warmup,
+                num_draft_tokens=llm.engine.stats().spec_decode.num_draft_tokens,
+                draft_pool_shard_shape=list(llm.engine.draft_runner.pool.k_pages.addressable_shards[0].data.shape))
 
 
 def engine_report(model_dir: Path, tp: int, quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
@@ -147,6 +158,15 @@ def builtin_matches_single_device(tp: int) -> bool:
     return True
 
 
+def draft_dir(work_dir: Path) -> Path:
+    """Another random model of the same shapes, with the tokenizer files a draft's folder carries."""
+    folder = work_dir / "draft"
+    write_tiny_checkpoint(folder, seed=1, **MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(BUILTIN_MODEL_DIR / name, folder / name)
+    return folder
+
+
 def main(work_dir: Path) -> None:
     model_dir = work_dir / "hf"
     write_tiny_checkpoint(model_dir, **MODEL)
@@ -155,6 +175,8 @@ def main(work_dir: Path) -> None:
               "int8_engines": {tp: engine_report(model_dir, tp, "int8") for tp in INT8_TP_SIZES},
               "fp8_kv_engines": {tp: engine_report(model_dir, tp, kv_cache_dtype="fp8") for tp in FP8_KV_TP_SIZES},
               "speculative_engines": {tp: speculative_report(model_dir, tp) for tp in SPECULATIVE_TP_SIZES},
+              "draft_model_engines": {tp: draft_model_report(model_dir, draft_dir(work_dir), tp)
+                                      for tp in SPECULATIVE_TP_SIZES},
               "orbax_matches_safetensors": orbax_matches_safetensors(model_dir, work_dir / "orbax", tp=4),
               "builtin_matches_single_device": builtin_matches_single_device(tp=4),
               "shard_reads": shard_reads(model_dir, tp=8)}

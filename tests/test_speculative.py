@@ -1,17 +1,24 @@
-"""Speculative decoding (n-gram drafts verified in the step): the output is the target's, whatever the drafts."""
+"""Speculative decoding (n-gram or draft-model drafts verified in the step): the output is the target's, whatever
+the drafts."""
+
+import json
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.checkpoint import BUILTIN_MODEL_DIR
 from jaxserve.engine.ngram_proposer import NgramProposer
+from jaxserve.engine.proposers import SequenceProposer
 from jaxserve.errors import ConfigError
 from jaxserve.reference import host_sampler
 from jaxserve.runner.sampler import build_sampling_tensors
 from jaxserve.runner.speculative import DraftArrays, verify_drafts
 from jaxserve.schedule import SamplingRow
 from jaxserve.speculative_config import SpeculativeConfig
+from tests.hf_models import write_tiny_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # The shapes of the session's tiny_llm (tests/conftest.py), so both engines see the same step limits.
@@ -45,8 +52,6 @@ def test_bad_speculative_configs_are_refused_by_name(value, message):
 
 
 def test_an_engine_refuses_what_it_cannot_speculate_before_compiling():
-    with pytest.raises(ConfigError, match="draft_model method is not supported yet"):
-        LLM(None, **ENGINE, speculative_config={"model": "/drafts/1b", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="must fit max_num_batched_tokens"):
         LLM(None, **dict(ENGINE, max_num_batched_tokens=8), speculative_config={**NGRAM, "num_speculative_tokens": 8})
 
@@ -119,7 +124,7 @@ def _close(observed, expected, draws):
 
 # --- the engine: greedy output identical with and without speculation ---------------------------------------------
 
-class _OracleProposer:
+class _OracleProposer(SequenceProposer):
     """Proposes the continuation a plain engine generated: every draft is right."""
 
     def __init__(self, prompts, continuations):
@@ -130,7 +135,7 @@ class _OracleProposer:
         return tuple(run[len(token_ids):len(token_ids) + max_drafts])
 
 
-class _RandomProposer:
+class _RandomProposer(SequenceProposer):
     def __init__(self, seed):
         self._rng = np.random.default_rng(seed)
 
@@ -255,3 +260,70 @@ def test_metrics_carry_the_spec_decode_counters_by_position():
     assert "jaxserve:spec_decode_num_accepted_tokens_total 2.0" in text
     assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
     assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 0.0' in text
+
+
+# --- draft models ------------------------------------------------------------------------------------------------
+
+def _checkpoint(folder, seed, **config):
+    """A random tiny Llama in HF's layout, with the built-in model's tokenizer files beside it (as a draft model's
+    folder has its tokenizer)."""
+    write_tiny_checkpoint(folder, seed=seed, **config)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(BUILTIN_MODEL_DIR / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    work = tmp_path_factory.mktemp("draft_models")
+    return {"target": _checkpoint(work / "target", seed=0),
+            "small": _checkpoint(work / "small", seed=1, num_hidden_layers=1)}
+
+
+@pytest.fixture(scope="module")
+def target_greedy(checkpoints):
+    target = LLM(str(checkpoints["target"]), **ENGINE)
+    prompts = _repetitive_prompts(count=5, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1, n=2)
+    return prompts, params, target.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("draft", ["target", "small"])
+def test_a_draft_model_changes_no_token(checkpoints, target_greedy, draft):
+    """The target as its own draft: every draft is accepted. A different random draft: almost none are, and the
+    output is still exactly the target's."""
+    prompts, params, want = target_greedy
+    llm = LLM(str(checkpoints["target"]), **ENGINE,
+              speculative_config={"model": str(checkpoints[draft]), "num_speculative_tokens": 3})
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert _token_ids(got) == _token_ids(want)
+    for a, b in zip(got, want):
+        for x, y in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose(x.cumulative_logprob, y.cumulative_logprob, atol=1e-4)
+    stats = llm.engine.stats()
+    spec = stats.spec_decode
+    assert spec.num_draft_tokens > 0 and stats.num_pages_used == 0 and llm.engine.compiles_after_warmup == 0
+    if draft == "target":
+        assert spec.num_accepted_tokens == spec.num_draft_tokens
+    else:
+        assert spec.num_accepted_tokens < spec.num_draft_tokens / 4
+
+
+def test_a_draft_model_that_does_not_fit_the_target_is_refused_by_name(checkpoints, tmp_path):
+    target = str(checkpoints["target"])
+
+    def start(draft):
+        LLM(target, **ENGINE, speculative_config={"model": str(draft), "num_speculative_tokens": 2})
+
+    with pytest.raises(ConfigError, match="vocabulary of 640 tokens, the target 512"):
+        start(_checkpoint(tmp_path / "vocab", seed=2, vocab_size=640))
+    with pytest.raises(ConfigError, match="handles 32 positions, fewer than max_model_len"):
+        start(_checkpoint(tmp_path / "short", seed=2, max_position_embeddings=32))
+    swapped = _checkpoint(tmp_path / "swapped", seed=2)
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError, match="another tokenizer than the target: token 300"):
+        start(swapped)

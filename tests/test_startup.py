@@ -42,7 +42,7 @@ def test_weights_are_read_while_the_programs_compile(monkeypatch):
     monkeypatch.setattr(ModelRunner, "warm_up", warm_up_signalling)
     overlapped = dataclasses.replace(plan, read_params=read_params_after_compiling_starts)
     config = EngineConfig(**SMALL).with_model_limit(plan.config.max_position_embeddings)
-    runner, config, stats = start_runner(overlapped, config, progress=False)
+    runner, config, stats, _ = start_runner(overlapped, config, progress=False)
     assert stats.programs == len(runner.buckets.all_buckets()) and stats.load_seconds > 0
     assert config.num_kv_pages is not None and runner.pool.num_pages == config.num_kv_pages
     loaded = plan.load(progress=False)

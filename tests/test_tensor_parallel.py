@@ -66,6 +66,13 @@ def test_drafts_verified_under_tensor_parallelism_change_no_token(report):
     assert speculative["num_draft_tokens"] > 0 and speculative["compiles_after_warmup"] == 0
 
 
+def test_a_draft_model_splits_over_the_same_devices_and_changes_no_token(report):
+    drafted = report["draft_model_engines"]["4"]
+    assert drafted["tokens"] == report[1]["tokens"]
+    assert drafted["num_draft_tokens"] > 0 and drafted["compiles_after_warmup"] == 0
+    assert drafted["draft_pool_shard_shape"][0] == 1  # one (repeated) KV head per device
+
+
 def test_fewer_kv_heads_than_devices_are_repeated_at_load_time(report):
     # The model stores 2 KV heads: TP 4 and 8 run with one (repeated) KV head per device.
     assert [report[tp]["kv_heads"] for tp in (1, 2, 4, 8)] == [2, 2, 4, 8]

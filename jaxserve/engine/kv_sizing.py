@@ -39,7 +39,7 @@ def device_budget_bytes(memory_stats: dict, gpu_memory_utilization: float, mem_f
 def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs: int, max_model_len: int,
                       num_kv_pages: int | None, kv_cache_memory_gb: float | None, gpu_memory_utilization: float,
                       memory_stats: dict | None, workspace_bytes: int = 0, tensor_parallel_size: int = 1,
-                      allocator_share: float = 1.0) -> int:
+                      allocator_share: float = 1.0, extra_bytes_per_page: int = 0) -> int:
     """Pages in the pool, the null page included.
 
     Explicit `num_kv_pages` wins; then `kv_cache_memory_gb` (per device); then, on a device that reports memory,
@@ -49,8 +49,9 @@ def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs
     A memory-sized pool that cannot hold one max_model_len sequence, or weights and workspace that leave it no
     room, is a ConfigError naming the limit to lower (raised before any step program compiles).
     `allocator_share` is the share of the device's memory that `bytes_limit` stands for (device_memory.py).
+    `extra_bytes_per_page`: what each page costs besides the model's KV (a draft model's pool mirrors the pages).
     """
-    per_page = bytes_per_page(model, page_size, dtype, tensor_parallel_size)
+    per_page = bytes_per_page(model, page_size, dtype, tensor_parallel_size) + extra_bytes_per_page
     if num_kv_pages is not None:
         return _at_least_one_page(num_kv_pages, per_page)
     if kv_cache_memory_gb is not None:

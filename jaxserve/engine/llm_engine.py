@@ -27,6 +27,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.draft_model import DraftModelProposer, plan_draft_model
 from jaxserve.engine.startup import start_runner
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.errors import InvalidRequestError
@@ -34,6 +35,7 @@ from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
 from jaxserve.runner.model_runner import AcceptedDrafts, PendingStep, PromptScores, SampledBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.schedule import ScheduledSequence, SchedulerOutput
+from jaxserve.speculative_config import DRAFT_MODEL_METHOD
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -81,9 +83,11 @@ class LLMEngine:
         ModelPlan, its weights are read while the step programs compile (`start_runner`)."""
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
-        self.runner, self.config, self.startup_stats = start_runner(model, config, progress)
+        spec = config.speculative_config
+        draft = plan_draft_model(config, model, tokenizer) if spec and spec.method == DRAFT_MODEL_METHOD else None
+        self.runner, self.config, self.startup_stats, self.draft_runner = start_runner(model, config, progress, draft)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = Scheduler(self.config, proposer=DraftModelProposer(self.draft_runner) if draft else None)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
         self._arrivals = itertools.count()
@@ -139,6 +143,8 @@ class LLMEngine:
         self.scheduler.forget_steps_in_flight()
         self._deltas.clear()
         self.runner.replace_lost_pool()
+        if self.draft_runner is not None:
+            self.draft_runner.replace_lost_pool()
         return aborted
 
     def shutdown(self) -> None:
@@ -165,7 +171,8 @@ class LLMEngine:
     @property
     def compiles_after_warmup(self) -> int:
         """XLA compiles since start-up finished; anything but 0 is a bug (logged when raising is switched off)."""
-        return self.runner.guard.compiles_after_warmup
+        return self.runner.guard.compiles_after_warmup + (
+            self.draft_runner.guard.compiles_after_warmup if self.draft_runner is not None else 0)
 
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that finished in it."""

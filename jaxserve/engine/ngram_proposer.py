@@ -13,10 +13,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxserve.engine.proposers import SequenceProposer
 from jaxserve.speculative_config import SpeculativeConfig
 
 
-class NgramProposer:
+class NgramProposer(SequenceProposer):
     """Proposes up to k drafts from a sequence's own history."""
 
     def __init__(self, config: SpeculativeConfig):

@@ -56,6 +56,8 @@ class Request:
         self.grammar = grammar
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Draft-model speculation: leading tokens whose KV the draft model holds, in its pool's copy of these pages
+        self.num_draft_computed_tokens = 0
         self.num_pending_tokens = 0
         self.status = RequestStatus.WAITING
         self.page_ids: list[int] = []  # block table: page i holds positions [i * page_size, (i + 1) * page_size)
@@ -131,7 +133,7 @@ class Request:
 
     def reset_for_recompute(self) -> None:
         """Forgets computed state after preemption; prompt and outputs stay, to be computed again."""
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = self.num_draft_computed_tokens = 0
         self.page_ids.clear()
         self.page_keys.clear()
         self.status = RequestStatus.PREEMPTED

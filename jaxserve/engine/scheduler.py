@@ -57,6 +57,7 @@ from jaxserve.engine.prompt_checks import check_prompt_length
 from jaxserve.config import FCFS_POLICY, PRIORITY_POLICY, EngineConfig
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.ngram_proposer import NgramProposer
+from jaxserve.engine.proposers import DraftSlot, Proposer
 from jaxserve.engine.scheduler_stats import SchedulerStats, SpecDecodeStats
 from jaxserve.errors import InvalidRequestError
 from jaxserve.schedule import SamplingRow, ScheduledSequence, SchedulerOutput
@@ -78,7 +79,9 @@ class _StepPlan:
 class Scheduler:
     """Owns the waiting and running queues and turns them into one batch per step; pages come from `pool`."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, proposer: Proposer | None = None):
+        """`proposer`: where speculative drafts come from (the engine's draft model); None: from the config's
+        method (ngram), or none without speculative_config."""
         self.config = config
         self.max_model_len = config.require("max_model_len")
         self.max_num_seqs = config.require("max_num_seqs")
@@ -95,7 +98,8 @@ class Scheduler:
         self._num_steps = 0
         spec = config.speculative_config
         # Speculative decoding: drafts proposed for sampling chunks, and what became of them.
-        self.proposer = NgramProposer(spec) if spec is not None and spec.method == NGRAM_METHOD else None
+        self.proposer = proposer if proposer is not None else (
+            NgramProposer(spec) if spec is not None and spec.method == NGRAM_METHOD else None)
         self._num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * self._num_speculative_tokens)
 
@@ -259,7 +263,9 @@ class Scheduler:
         self.pool.acquire_prefix(match)
         request.page_ids = list(match.page_ids)
         request.page_keys = list(match.keys)
+        # A cached page holds the draft model's KV of its tokens too (its pool mirrors the target's pages).
         request.num_computed_tokens = request.num_prefix_hit_tokens = match.num_pages * self.page_size
+        request.num_draft_computed_tokens = request.num_computed_tokens
         request.status = RequestStatus.RUNNING
         bisect.insort(self._running, request, key=_RANK)
 
@@ -295,43 +301,55 @@ class Scheduler:
         """Extends the step's sampling chunks with proposed drafts, from the token budget and pages left.
 
         Drafts fill what the batch leaves over: they never preempt, never delay an admission, and a step that
-        scores prompts or applies penalties gets none (its programs verify no drafts).
+        scores prompts or applies penalties gets none (its programs verify no drafts). Each drafting chunk gets the
+        pages for its most drafts first (a draft model writes its KV there), and gives back what it did not use.
         """
-        if any(c.wants_prompt_logits or c.sampling.params.uses_penalties for c in plan.sequences):
-            return
-        for index, chunk in enumerate(plan.sequences):
-            if plan.token_budget <= 0:
-                return
+        may_draft = not any(c.wants_prompt_logits or c.sampling.params.uses_penalties for c in plan.sequences)
+        slots = []
+        for chunk in plan.sequences:
             request = self._requests[chunk.request_id]
-            drafts = self._propose(request, min(self._num_speculative_tokens, plan.token_budget)) \
-                if chunk.samples and _may_draft(request) else ()
+            most = self._most_drafts(request, plan.token_budget) if may_draft and chunk.samples else 0
+            plan.token_budget -= most
+            slots.append(DraftSlot(request, chunk.start_position + chunk.num_tokens, most))
+        for index, (slot, drafts) in enumerate(zip(slots, self.proposer.propose_batch(slots))):
+            plan.token_budget += slot.max_drafts - len(drafts)
+            if slot.max_drafts:
+                self._release_pages_after(slot.request, slot.chunk_end + len(drafts))
             if drafts:
-                request.num_computed_tokens += len(drafts)
+                slot.request.num_computed_tokens += len(drafts)
+                chunk = plan.sequences[index]
                 plan.sequences[index] = dataclasses.replace(chunk, token_ids=chunk.token_ids + drafts,
-                                                            page_ids=tuple(request.page_ids),
+                                                            page_ids=tuple(slot.request.page_ids),
                                                             num_draft_tokens=len(drafts))
-                plan.token_budget -= len(drafts)
 
-    def _propose(self, request: Request, max_drafts: int) -> tuple[int, ...]:
-        """Drafts to follow the request's known tokens: no more than max_drafts, than its max_tokens leaves room for
-        (the step emits one token past them) or than fit the pages it holds or can get; their pages allocated."""
+    def _most_drafts(self, request: Request, token_budget: int) -> int:
+        """Drafts the request may bring to this step, their pages allocated: no more than k, than the token budget,
+        than its max_tokens leaves room for (the step emits one token past them) or than pages can hold."""
+        if not _may_draft(request):
+            return 0
         stop = request.num_computed_tokens
         room_in_pages = (len(request.page_ids) + self.pool.num_allocatable) * self.page_size - stop
-        max_drafts = min(max_drafts, request.max_new_tokens - request.num_output_tokens, room_in_pages)
-        drafts = self.proposer.propose(request.token_ids(0, request.num_known_tokens), max_drafts)
-        missing_pages = self._pages_for(stop + len(drafts)) - len(request.page_ids)
+        most = max(min(self._num_speculative_tokens, token_budget, request.max_new_tokens - request.num_output_tokens,
+                       room_in_pages), 0)
+        missing_pages = self._pages_for(stop + most) - len(request.page_ids)
         if missing_pages > 0:
             request.page_ids.extend(self.pool.allocate(missing_pages))
-        return drafts
+        return most
+
+    def _release_pages_after(self, request: Request, num_tokens: int) -> None:
+        """Gives back the request's pages past those covering its first num_tokens positions (never registered:
+        they hold no known token's KV)."""
+        keep = self._pages_for(num_tokens)
+        if len(request.page_ids) > keep:
+            self.pool.release(reversed(request.page_ids[keep:]))
+            del request.page_ids[keep:]
 
     def _roll_back_rejected(self, request: Request, num_rejected: int) -> None:
         """Forgets the KV of rejected drafts: the tokens after the accepted run are computed again from the right
         ones, and pages holding nothing but rejected drafts go back (never registered: drafts are not known)."""
         request.num_computed_tokens -= num_rejected
-        keep = self._pages_for(request.num_computed_tokens)
-        if len(request.page_ids) > keep:
-            self.pool.release(reversed(request.page_ids[keep:]))
-            del request.page_ids[keep:]
+        request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+        self._release_pages_after(request, request.num_computed_tokens)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self._running.remove(request)

@@ -24,7 +24,6 @@ from jaxserve.engine.kv_sizing import bytes_per_page, device_memory_stats, resol
 from jaxserve.model.kv_quantization import is_float8, kv_pool_dtype
 from jaxserve.parallel.process_group import smallest_across_processes
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.speculative_config import NGRAM_METHOD
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +39,13 @@ class StartupStats:
     ready_seconds: float  # from the start of `start_runner` to a runner ready to step
 
 
-def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig,
-                 progress: bool = True) -> tuple[ModelRunner, EngineConfig, StartupStats]:
+def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress: bool = True,
+                 draft: ModelPlan | None = None) -> tuple[ModelRunner, EngineConfig, StartupStats, ModelRunner | None]:
     """A runner with every program compiled, its weights attached and its pool allocated, and `config` with the
-    pool's size filled in. `config` must have max_model_len resolved (EngineConfig.with_model_limit)."""
+    pool's size filled in. `config` must have max_model_len resolved (EngineConfig.with_model_limit).
+
+    With a `draft` model (speculative decoding) its runner comes too, ready the same way: its programs compile
+    after the target's, and its pool has as many pages (sized together from memory)."""
     started = time.perf_counter()
     check_speculation(config)
     enable_compilation_cache(config)
@@ -54,9 +56,11 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig,
     stats = device_memory_stats() if config.num_kv_pages is None and config.kv_cache_memory_gb is None else None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as loader:
         loading = loader.submit(_timed_load, model, progress) if planned else None
-        pending_bytes = model.weight_bytes_per_device() if planned else 0
-        config = config.with_pool(_pool_pages(model, config, runner, stats, pending_bytes))
+        pending_bytes = (model.weight_bytes_per_device() if planned else 0) + (
+            draft.weight_bytes_per_device() if draft is not None else 0)
+        config = config.with_pool(_pool_pages(model, config, runner, stats, pending_bytes, draft))
         runner.warm_up(config.num_kv_pages, progress)
+        draft_runner = _start_draft(draft, config, progress) if draft is not None else None
         load_seconds = 0.0
         if loading is not None:
             loaded, load_seconds = loading.result()
@@ -69,7 +73,25 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig,
              startup.ready_seconds, startup.programs, startup.lower_seconds, startup.compile_seconds,
              startup.load_seconds)
     log.info("%s", serving_summary(model, config))
-    return runner, config, startup
+    return runner, config, startup, draft_runner
+
+
+def _start_draft(draft: ModelPlan, config: EngineConfig, progress: bool) -> ModelRunner:
+    """The draft model's runner: programs compiled, weights read, a pool of the target's page count."""
+    runner = ModelRunner(draft.config, draft.graphdef, draft.abstract_params, draft.dtype, draft_engine_config(config),
+                         draft.mesh)
+    runner.warm_up(config.num_kv_pages, progress)
+    runner.load_params(draft.load(progress).params)
+    runner.allocate_pool(config.num_kv_pages)
+    return runner
+
+
+def draft_engine_config(config: EngineConfig) -> EngineConfig:
+    """The draft runner's settings: the target's limits and pool size, a token budget with room for each row's
+    catch-up token (the draft may lag its target by one), and no speculation or quantization of its own."""
+    return dataclasses.replace(config, model=config.speculative_config.model, speculative_config=None,
+                               quantization=None,
+                               max_num_batched_tokens=config.require("max_num_batched_tokens") + config.max_num_seqs)
 
 
 def check_speculation(config: EngineConfig) -> None:
@@ -77,8 +99,6 @@ def check_speculation(config: EngineConfig) -> None:
     spec = config.speculative_config
     if spec is None:
         return
-    if spec.method != NGRAM_METHOD:
-        raise ConfigError(f"speculative_config: the {spec.method} method is not supported yet; use \"ngram\"")
     if spec.num_speculative_tokens + 1 > config.require("max_num_batched_tokens"):
         raise ConfigError(f"speculative_config: num_speculative_tokens ({spec.num_speculative_tokens}) plus the "
                           f"sampled token must fit max_num_batched_tokens ({config.max_num_batched_tokens})")
@@ -104,8 +124,9 @@ def _speculation_note(config: EngineConfig) -> str:
     spec = config.speculative_config
     if spec is None:
         return ""
-    return (f"; speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} drafts per step, lookup "
-            f"{spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens")
+    proposer = (f"draft model {spec.model}" if spec.model is not None
+                else f"ngram lookup of {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens")
+    return f"; speculative decoding: {proposer}, up to {spec.num_speculative_tokens} drafts per sequence and step"
 
 
 def _scales_note(model: LoadedModel | ModelPlan, kv_dtype) -> str:
@@ -126,7 +147,7 @@ def _timed_load(plan: ModelPlan, progress: bool) -> tuple[LoadedModel, float]:
 
 
 def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: ModelRunner, stats: dict | None,
-                pending_weight_bytes: int) -> int:
+                pending_weight_bytes: int, draft: ModelPlan | None) -> int:
     """The pool's size; sized from device memory, it leaves room for the weights (those still loading counted as
     in use) and for the largest step's activation workspace.
 
@@ -144,8 +165,16 @@ def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: Mo
                               max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                               num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
                               gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
-                              workspace_bytes=workspace, allocator_share=allocator_fraction())
+                              workspace_bytes=workspace, allocator_share=allocator_fraction(),
+                              extra_bytes_per_page=_draft_bytes_per_page(draft, config))
     return smallest_across_processes(pages)
+
+
+def _draft_bytes_per_page(draft: ModelPlan | None, config: EngineConfig) -> int:
+    if draft is None:
+        return 0
+    devices = draft.mesh.size if draft.mesh is not None else 1
+    return bytes_per_page(draft.config, config.block_size, kv_pool_dtype(config.kv_cache_dtype, draft.dtype), devices)
 
 
 def enable_compilation_cache(config: EngineConfig) -> None:

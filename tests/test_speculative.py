@@ -327,3 +327,31 @@ def test_a_draft_model_that_does_not_fit_the_target_is_refused_by_name(checkpoin
     (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ConfigError, match="another tokenizer than the target: token 300"):
         start(swapped)
+
+
+def test_streamed_deltas_of_accepted_runs_spell_the_whole_output(spec_llm, tiny_llm):
+    """A step may emit several tokens of one sequence: each is its own delta, in order."""
+    engine = spec_llm.engine
+    scheduler = engine.scheduler
+    ngram = scheduler.proposer
+    prompts = _repetitive_prompts(count=2, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = tiny_llm.generate(prompts, params, use_tqdm=False)
+    scheduler.proposer = _OracleProposer([p["prompt_token_ids"] for p in prompts],
+                                         [o.outputs[0].token_ids for o in plain])
+    before = engine.stats().spec_decode.num_accepted_tokens
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"s{i}", prompt["prompt_token_ids"], params, stream=True)
+        deltas, finished = [], []
+        while engine.has_unfinished_requests():
+            finished += engine.step()
+            deltas += engine.pop_deltas()
+    finally:
+        scheduler.proposer = ngram
+    for output in finished:
+        own = [d for d in deltas if d.request_id == output.request_id]
+        assert [t for d in own for t in d.token_ids] == list(output.outputs[0].token_ids)
+        assert "".join(d.text for d in own) == output.outputs[0].text
+        assert own[-1].finish_reason == "length"
+    assert engine.stats().spec_decode.num_accepted_tokens - before > 10

@@ -23,6 +23,7 @@ from jaxserve.errors import ConfigError
 from jaxserve.engine.kv_sizing import bytes_per_page, device_memory_stats, resolve_num_pages
 from jaxserve.model.kv_quantization import is_float8, kv_pool_dtype
 from jaxserve.parallel.process_group import smallest_across_processes
+from jaxserve.runner.lockstep import spans_processes
 from jaxserve.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,10 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress:
     planned = isinstance(model, ModelPlan)
     runner = ModelRunner(model.config, model.graphdef, model.abstract_params if planned else model.params,
                          model.dtype, config, model.mesh, model.kv_cache_scales)
+    if draft is not None and spans_processes(runner.mesh):
+        # Followers replay one runner's broadcast steps; a second runner's would interleave with them.
+        raise ConfigError("speculative_config: a draft model runs within one process; a model over several processes "
+                          "can speculate with the ngram method")
     # Read before the weights start arriving: with them in flight, the allocator's count would be a moving target.
     stats = device_memory_stats() if config.num_kv_pages is None and config.kv_cache_memory_gb is None else None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as loader:

@@ -324,11 +324,12 @@ class Scheduler:
 
     def _most_drafts(self, request: Request, token_budget: int) -> int:
         """Drafts the request may bring to this step, their pages allocated: no more than k, than the token budget,
-        than its max_tokens leaves room for (the step emits one token past them) or than pages can hold."""
+        than its max_tokens leaves room for (the step emits one token past them) or than free pages can hold (drafts
+        never evict a cached prefix)."""
         if not _may_draft(request):
             return 0
         stop = request.num_computed_tokens
-        room_in_pages = (len(request.page_ids) + self.pool.num_allocatable) * self.page_size - stop
+        room_in_pages = (len(request.page_ids) + self.pool.num_free) * self.page_size - stop
         most = max(min(self._num_speculative_tokens, token_budget, request.max_new_tokens - request.num_output_tokens,
                        room_in_pages), 0)
         missing_pages = self._pages_for(stop + most) - len(request.page_ids)

@@ -43,6 +43,7 @@ from jaxserve.parallel.process_group import abort_group
 from jaxserve.runner.attention_check import checked_attention_backend
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
+from jaxserve.runner.input_rows import InputRows
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
 from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors
@@ -167,6 +168,9 @@ class ModelRunner:
         self._last_tokens = jax.device_put(np.zeros(self.buckets.max_rows, np.int32),
                                            self._replicated)  # i32[max_rows]
         self._last_rows: dict[str, int] = {}  # request id -> its row in the previous step's samples
+        # Block tables and sampling settings of the sequences in recent steps, rewritten only where they changed.
+        self._input_rows = InputRows(self.buckets.max_rows, config.max_pages_per_seq, config.max_logit_bias,
+                                     config.max_stop_ids)
         logits_shardings = LogitsShardings(
             computed=NamedSharding(self.mesh, logits_partition_spec(model_config.vocab_size, self.mesh)),
             sampled=self._replicated)
@@ -358,21 +362,29 @@ class ModelRunner:
                 raise RuntimeError("a pending token has no sample in the previous step")
         sample_index = np.zeros(bucket.num_seqs, np.int32)
         sample_index[: len(chunks)] = layout.last_token
+        # A step without sequences (warm-up, padding) leaves the kept rows alone.
+        slots = self._input_rows.slots(chunks) if chunks else None
         inputs = build_metadata(chunks, num_tokens=bucket.num_tokens, num_seqs=bucket.num_seqs,
-                                max_pages=self.config.max_pages_per_seq, page_size=self.config.block_size)
+                                max_pages=self.config.max_pages_per_seq, page_size=self.config.block_size,
+                                block_tables=self._input_rows.block_table_rows(slots, bucket.num_seqs)
+                                if slots is not None else None)
         return StepArrays(token_ids=token_ids, pending_rows=pending_rows, positions=inputs.positions,
                           metadata=inputs.metadata, sample_index=sample_index,
-                          sampling=self._sampling_tensors(chunks, bucket),
+                          sampling=self._sampling_tensors(chunks, bucket, slots),
                           prompt_targets=_prompt_targets(chunks, bucket.num_tokens) if bucket.prompt_logits
                           else None,
                           drafts=build_draft_arrays(chunks, layout.last_token, bucket.num_seqs,
                                                     self.num_speculative_tokens) if bucket.drafts else None)
 
-    def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket):
+    def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket, slots: np.ndarray | None):
+        """The rows' sampling settings: from the kept rows (slots), or built afresh (the reference path)."""
+        history_width = self._history_width if bucket.penalties else 1
+        words = mask_width(self.model_config.vocab_size)
+        if slots is not None:
+            return self._input_rows.sampling_tensors(chunks, slots, bucket.num_seqs, history_width, words)
         return build_sampling_tensors(
             [c.sampling for c in chunks], bucket.num_seqs, bias_width=self.config.max_logit_bias,
-            stop_width=self.config.max_stop_ids, history_width=self._history_width if bucket.penalties else 1,
-            mask_width=mask_width(self.model_config.vocab_size))
+            stop_width=self.config.max_stop_ids, history_width=history_width, mask_width=words)
 
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""

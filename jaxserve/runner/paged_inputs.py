@@ -28,24 +28,20 @@ class PagedInputs:
 
 
 def build_metadata(chunks: Sequence[ScheduledSequence], *, num_tokens: int, num_seqs: int, max_pages: int,
-                   page_size: int) -> PagedInputs:
+                   page_size: int, block_tables: np.ndarray | None = None) -> PagedInputs:
     """Flatten the chunks (in order) into T = num_tokens tokens over S = num_seqs sequence rows.
 
     Row i holds chunks[i]; the remaining rows are padding (length 0, null pages). Padding tokens after the real
     ones never write (their slot is dropped) and point at the first padding row, or at the last row when none is
     spare, so a full bucket of sequences needs no extra row. Whole-array numpy: the host's cost per step must stay
-    well under a millisecond at hundreds of sequences.
+    well under a millisecond at hundreds of sequences. `block_tables` (i32[num_seqs, max_pages]), where given, are
+    the chunks' block tables already laid out (runner/input_rows.py keeps them between steps).
     """
     layout = ChunkLayout.of(chunks)
     _check_fits(layout, chunks, num_tokens, num_seqs, max_pages, page_size)
     n, total = len(chunks), layout.num_tokens
-    block_tables = np.full((num_seqs, max_pages), NULL_PAGE, np.int32)
-    page_counts = np.fromiter((len(c.page_ids) for c in chunks), np.int32, n)  # i32[n]
-    page_rows = np.repeat(np.arange(n, dtype=np.int32), page_counts)
-    page_cols = np.arange(page_counts.sum(), dtype=np.int32) - np.repeat(np.cumsum(page_counts) - page_counts,
-                                                                         page_counts)
-    block_tables[page_rows, page_cols] = np.fromiter(itertools.chain.from_iterable(c.page_ids for c in chunks),
-                                                     np.int32, int(page_counts.sum()))
+    if block_tables is None:
+        block_tables = _block_tables(chunks, num_seqs, max_pages)
     positions = np.zeros(num_tokens, np.int32)
     positions[:total] = layout.positions
     slot_mapping = np.full(num_tokens, PADDING_SLOT, np.int32)
@@ -60,6 +56,19 @@ def build_metadata(chunks: Sequence[ScheduledSequence], *, num_tokens: int, num_
     metadata = PagedAttentionMetadata(slot_mapping=slot_mapping, token_seq=token_seq, block_tables=block_tables,
                                       seq_lens=seq_lens)
     return PagedInputs(positions=positions, metadata=metadata)
+
+
+def _block_tables(chunks: Sequence[ScheduledSequence], num_seqs: int, max_pages: int) -> np.ndarray:
+    """i32[num_seqs, max_pages]: row i holds chunks[i]'s pages, then null pages."""
+    n = len(chunks)
+    block_tables = np.full((num_seqs, max_pages), NULL_PAGE, np.int32)
+    page_counts = np.fromiter((len(c.page_ids) for c in chunks), np.int32, n)  # i32[n]
+    page_rows = np.repeat(np.arange(n, dtype=np.int32), page_counts)
+    page_cols = np.arange(page_counts.sum(), dtype=np.int32) - np.repeat(np.cumsum(page_counts) - page_counts,
+                                                                         page_counts)
+    block_tables[page_rows, page_cols] = np.fromiter(itertools.chain.from_iterable(c.page_ids for c in chunks),
+                                                     np.int32, int(page_counts.sum()))
+    return block_tables
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,8 +111,8 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
         bias_values=_padded([list(b.values()) for b in biases], num_rows, bias_width, 0.0, np.float32),
         stop_ids=_padded(stops, num_rows, stop_width, -1, np.int32),
         block_stop_ids=np.array([len(r.output_ids) < r.params.min_tokens for r in rows] + [False] * pad),
-        allowed=_token_masks(rows, num_rows, mask_width),
-        penalties=_penalty_tensors(rows, num_rows, history_width),
+        allowed=token_masks(rows, num_rows, mask_width),
+        penalties=penalty_tensors(rows, num_rows, history_width),
         truncation=_truncation_tensors(rows, num_rows),
     )
 
@@ -245,7 +245,7 @@ def uses_truncation(params: SamplingParams) -> bool:
     return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
 
 
-def _penalty_tensors(rows: Sequence[SamplingRow], num_rows: int, history_width: int | None) -> PenaltyTensors:
+def penalty_tensors(rows: Sequence[SamplingRow], num_rows: int, history_width: int | None) -> PenaltyTensors:
     """A row without a penalty gets an empty history: its neutral settings ignore it, and the host skips the copy.
     `history_width` 1 suits a batch where no row uses a penalty."""
     penalised = [r.params.uses_penalties for r in rows]
@@ -272,7 +272,7 @@ def _truncation_tensors(rows: Sequence[SamplingRow], num_rows: int) -> Truncatio
     )
 
 
-def _token_masks(rows: Sequence[SamplingRow], num_rows: int, width: int | None) -> np.ndarray:  # i32[S, W]
+def token_masks(rows: Sequence[SamplingRow], num_rows: int, width: int | None) -> np.ndarray:  # i32[S, W]
     masks = [r.token_mask for r in rows]
     width = width if width is not None else max((len(m) for m in masks if m is not None), default=1)
     out = np.full((num_rows, width), -1, np.int32)

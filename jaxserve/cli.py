@@ -96,6 +96,10 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every route but /health, /version and "
                         "/metrics (default: $JAXSERVE_API_KEY)")
+    parser.add_argument("--api-keys-file", type=Path, metavar="PATH",
+                        help="YAML or JSON list of named keys, each with optional requests_per_minute, "
+                        "tokens_per_minute and max_concurrent_requests (over a limit: 429 with Retry-After); "
+                        "reread on SIGHUP; excludes --api-key")
     parser.add_argument("--metrics-need-key", action="store_true", help="/metrics asks for the API key too")
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the model ids clients may use; answers carry the first (default: the folder's name)")
@@ -176,6 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # JAX probes for a TPU on every start and logs the failure at INFO: noise on every GPU and CPU host.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from jaxserve.server.api_keys_file import load_api_keys_file
     from jaxserve.server.config import ServerConfig
 
     if args.model_path is not None:
@@ -184,12 +189,14 @@ def _serve(args: argparse.Namespace) -> int:
         args.model = args.model_path
     engine_config = _engine_config(args)
     config = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key or None,
+        host=args.host, port=args.port, api_key=args.api_key or None, api_keys_file=args.api_keys_file,
         served_model_names=tuple(args.served_model_name or [_model_name(engine_config.model)]),
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout, stream_timeout_s=args.stream_timeout,
         profile_dir=args.profile_dir, allow_unknown_fields=args.allow_unknown_fields,
         metrics_need_key=args.metrics_need_key)
+    if config.api_keys_file is not None:
+        load_api_keys_file(config.api_keys_file)  # a bad file fails now, not after the model has loaded
     log.info("starting: %s; loading the model, then compiling its step programs",
              engine_config.model or "the built-in model")
     # Imported after that first line: the server's imports (JAX, the web framework) take a second or two.

@@ -21,17 +21,21 @@ class ApiError(Exception):
     """A request the server refuses, with the status and OpenAI error fields to answer it."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status  # HTTP status
         self.message = message  # shown to the client: never a secret
         self.param = param  # the request field at fault
         self.kind = kind  # OpenAI's error "type"
-        self.headers = headers or {}  # e.g. Retry-After on 503
+        self.headers = headers or {}  # e.g. Retry-After on 503 and 429
+        self.code = code  # OpenAI's error "code" (e.g. rate_limit_exceeded on 429); None for most errors
 
 
 def error_response(error: ApiError) -> Response:
-    response = jsonify(error_body(error.message, error.param, error.kind))
+    body = error_body(error.message, error.param, error.kind)
+    if error.code is not None:
+        body["error"]["code"] = error.code
+    response = jsonify(body)
     response.status_code = error.status
     response.headers.update(error.headers)
     return response

@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import hmac
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -17,6 +16,7 @@ from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.prompt_checks import check_text_bytes
 from jaxserve.server.admission import Admission, releasing_admissions
 from jaxserve.server.api_errors import ApiError, register_error_handlers
+from jaxserve.server.api_keys import ApiKeys, api_keys_from_config, bearer_token, remember_key
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.slow_clients import dropping_slow_clients
@@ -39,8 +39,11 @@ class ServerContext:
     draining: bool = False  # set by SIGTERM: new requests get 503 while in-flight ones finish
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))  # start time, shown by /v1/models
     profiling: bool = False  # a JAX profiler trace is being recorded (/start_profile until /stop_profile)
+    clock: Callable[[], float] = time.monotonic  # the quotas' rate windows run on it (tests pass one they move)
     metrics: ServerMetrics = dataclasses.field(init=False)  # this app's Prometheus registry, served by /metrics
     admission: Admission = dataclasses.field(init=False)  # admitted sequences against the engine's batch + queue
+    # The keys requests must bring, with their quotas (--api-key or --api-keys-file); None: the server is open
+    api_keys: ApiKeys | None = dataclasses.field(init=False)
     # Parsing, tokenizing and detokenizing run here, never on the event loop, so /health answers during them.
     workers: concurrent.futures.ThreadPoolExecutor = dataclasses.field(init=False)
 
@@ -48,6 +51,9 @@ class ServerContext:
         engine = self.engine
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.admission = Admission(engine.engine.config.max_num_seqs + self.config.max_waiting_requests)
+        self.api_keys = api_keys_from_config(self.config, self.clock)
+        if self.api_keys is not None:
+            self.metrics.declare_api_keys(self.api_keys.names)
         self.workers = concurrent.futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="jaxserve-request")
 
     def check_text_fits(self, texts: Iterable[str], param: str) -> None:
@@ -66,7 +72,7 @@ def create_app(context: ServerContext) -> Quart:
 
     app = Quart("jaxserve", static_folder=None)  # an API: no /static route
     app.asgi_app = releasing_admissions(dropping_slow_clients(app.asgi_app, context.config.stream_timeout_s),
-                                        context.admission)
+                                        context)
     # Streams may run for minutes: Quart's 60 s response timeout would cut them (it looks like a disconnect).
     app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=context.config.max_body_bytes)
     app.extensions["jaxserve"] = context
@@ -111,14 +117,13 @@ def check_model(model: str | None, context: ServerContext) -> None:
 
 async def _check_api_key() -> None:
     context = server_context()
-    if context.config.api_key is None or not _needs_key(request.path, context.config):
+    if context.api_keys is None or not _needs_key(request.path, context.config):
         return
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    # Constant time: the comparison must not reveal how much of a guessed key was right.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), context.config.api_key.encode()):
+    key = context.api_keys.authenticate(bearer_token(request.headers.get("Authorization", "")))
+    if key is None:
         raise ApiError(401, "missing or invalid API key (send Authorization: Bearer KEY)", kind="authentication_error",
                        headers={"WWW-Authenticate": "Bearer"})
+    remember_key(request.scope, key)  # admission takes the request's share of this key's quota
 
 
 def _needs_key(path: str, config: ServerConfig) -> bool:

@@ -26,6 +26,7 @@ from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import streamed_response
 from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
 from jaxserve.server.openapi import RouteSchema, declares
+from jaxserve.server.quotas import TokenTally
 from jaxserve.server.request_fields import check_constraint, check_limits, conversation_prompt, flag, include_usage
 from jaxserve.server.streams import final_outputs, merged_events
 from jaxserve.tokenizer import Tokenizer
@@ -55,15 +56,15 @@ class ChatRequest:
 async def create_chat_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_chat_request, await request_bytes(), context)
-    admit(context, request.params.n)
+    tally = admit(context, request.params.n, len(request.prompt.token_ids), request.params.max_tokens)
     model = context.config.served_model_name
     if request.stream:
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         # OpenAI's first event of every choice names the speaker, with no text yet.
         roles = [chat_completion_chunk(chunk_id, created, model, index, {"role": "assistant", "content": ""}, None,
                                        None, None) for index in range(request.params.n)]
-        return await streamed_response(_chat_chunks(context, request, chunk_id, created, model), roles)
-    [output] = await final_outputs(context, [request.prompt], request.params)
+        return await streamed_response(_chat_chunks(context, request, tally, chunk_id, created, model), roles)
+    [output] = await final_outputs(context, [request.prompt], request.params, tally)
     return jsonify(chat_completion_body(output, model, request.params.logprobs or 0, context.tokenizer,
                                         request.tool_calling))
 
@@ -88,12 +89,12 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
     return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields), tool_calling)
 
 
-async def _chat_chunks(context: ServerContext, request: ChatRequest, chunk_id: str, created: int,
+async def _chat_chunks(context: ServerContext, request: ChatRequest, tally: TokenTally, chunk_id: str, created: int,
                        model: str) -> AsyncIterator[dict[str, Any]]:
     finished: list[RequestOutput] = []
     readers = ([ToolCallParser(request.tool_calling) for _ in range(request.params.n)] if request.reads_calls
                else None)
-    async with contextlib.aclosing(merged_events(context, [request.prompt], request.params)) as events:
+    async with contextlib.aclosing(merged_events(context, [request.prompt], request.params, tally)) as events:
         async for _, event in events:
             if isinstance(event, RequestOutput):
                 finished.append(event)

@@ -23,6 +23,7 @@ from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import ApiError, streamed_response
 from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
 from jaxserve.server.openapi import RouteSchema, declares
+from jaxserve.server.quotas import TokenTally
 from jaxserve.server.request_fields import check_constraint, check_limits, flag, include_usage
 from jaxserve.server.streams import final_outputs, merged_events
 
@@ -46,13 +47,14 @@ class CompletionRequest:
 async def create_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_completion_request, await request_bytes(), context)
-    admit(context, len(request.prompts) * request.params.n)
+    tally = admit(context, len(request.prompts) * request.params.n,
+                  sum(len(prompt.token_ids) for prompt in request.prompts), request.params.max_tokens)
     model = context.config.served_model_name
     if request.stream:
         chunk_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echoed = _echo_chunks(context, request, chunk_id, created, model) if request.echo else []
-        return await streamed_response(_completion_chunks(context, request, chunk_id, created, model), echoed)
-    outputs = await final_outputs(context, request.prompts, request.params)
+        return await streamed_response(_completion_chunks(context, request, tally, chunk_id, created, model), echoed)
+    outputs = await final_outputs(context, request.prompts, request.params, tally)
     if request.prompt_only:
         outputs = [_without_generated(output) for output in outputs]
     return jsonify(completion_body(outputs, model, echo_tokenizer=context.tokenizer if request.echo else None))
@@ -102,11 +104,11 @@ def _echo_chunks(context: ServerContext, request: CompletionRequest, chunk_id: s
     return chunks
 
 
-async def _completion_chunks(context: ServerContext, request: CompletionRequest, chunk_id: str, created: int,
-                             model: str) -> AsyncIterator[dict[str, Any]]:
+async def _completion_chunks(context: ServerContext, request: CompletionRequest, tally: TokenTally, chunk_id: str,
+                             created: int, model: str) -> AsyncIterator[dict[str, Any]]:
     n = request.params.n
     finished: list[RequestOutput] = []
-    async with contextlib.aclosing(merged_events(context, request.prompts, request.params)) as events:
+    async with contextlib.aclosing(merged_events(context, request.prompts, request.params, tally)) as events:
         async for i, event in events:
             if isinstance(event, RequestOutput):
                 finished.append(event)

@@ -15,6 +15,8 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise: an open port is the operator's decision
     port: int = 8000  # TCP port; 0 picks a free one (tests)
     api_key: str | None = None  # required as `Authorization: Bearer KEY` on every route but /health, /version, /metrics
+    # Named keys with per-key limits (server/api_keys_file.py), reread on SIGHUP; excludes api_key
+    api_keys_file: Path | None = None
     served_model_names: tuple[str, ...] = ("jaxserve-builtin",)  # ids /v1/models lists and requests may name;
     # answers carry the first
     max_waiting_requests: int = 256  # requests queued beyond the running batch; more are answered 503 at once
@@ -46,6 +48,9 @@ class ServerConfig:
             raise ConfigError("served_model_names must hold at least one non-empty name")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty")
+        if self.api_key is not None and self.api_keys_file is not None:
+            raise ConfigError("api_key and api_keys_file exclude each other: list every key in the file (a key "
+                              "with no limits is a key with only `name` and `key`)")
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s!r}")
         for name in ("health_timeout_s", "stream_timeout_s"):

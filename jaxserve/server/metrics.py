@@ -8,7 +8,7 @@ are per continuation (each of a request's n choices), as vLLM times its child re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from jaxserve.engine.async_engine import EngineEvent
 from jaxserve.engine.scheduler_stats import SchedulerStats, SpecDecodeStats
 from jaxserve.outputs import CompletionDelta
+from jaxserve.server.api_keys_file import LIMIT_FIELDS
 
 
 def _ladder(low_exponent: int, high_exponent: int) -> list[float]:
@@ -50,12 +51,44 @@ class ServerMetrics:
         self.requests_rejected = Counter(
             "jaxserve:num_requests_rejected", "Requests answered 503 by admission: overloaded or draining.",
             ["reason"], registry=self.registry)
+        # Per API key, labelled by the key's name from --api-keys-file ("default" for --api-key), never the key.
+        self.api_key_requests = Counter(
+            "jaxserve:api_key_requests", "Generation requests admitted, by API key name.", ["key_name"],
+            registry=self.registry)
+        self.api_key_rate_limited = Counter(
+            "jaxserve:api_key_rate_limited", "Requests answered 429, by API key name and the limit they were over.",
+            ["key_name", "limit"], registry=self.registry)
+        self.api_key_prompt_tokens = Counter(
+            "jaxserve:api_key_prompt_tokens", "Prompt tokens of ended requests, by API key name.", ["key_name"],
+            registry=self.registry)
+        self.api_key_generation_tokens = Counter(
+            "jaxserve:api_key_generation_tokens", "Generated tokens of ended requests (aborted ones' included), by "
+            "API key name.", ["key_name"], registry=self.registry)
 
     def request_observer(self, num_prompt_tokens: int, n: int) -> RequestObserver:
         return RequestObserver(self, num_prompt_tokens, n)
 
     def count_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(reason).inc()
+
+    def declare_api_keys(self, names: Iterable[str]) -> None:
+        """Every key's series, at 0 until it moves: a scraper sees each key from the start (rates need a first
+        sample). Names dropped by a reload keep their series, as counters do."""
+        for name in names:
+            for counter in (self.api_key_requests, self.api_key_prompt_tokens, self.api_key_generation_tokens):
+                counter.labels(name)
+            for limit in LIMIT_FIELDS:
+                self.api_key_rate_limited.labels(name, limit)
+
+    def count_key_admitted(self, name: str) -> None:
+        self.api_key_requests.labels(name).inc()
+
+    def count_key_rate_limited(self, name: str, limit: str) -> None:
+        self.api_key_rate_limited.labels(name, limit).inc()
+
+    def count_key_tokens(self, name: str, prompt: int, generated: int) -> None:
+        self.api_key_prompt_tokens.labels(name).inc(prompt)
+        self.api_key_generation_tokens.labels(name).inc(generated)
 
     def exposition(self) -> tuple[bytes, str]:
         """The registry in Prometheus' text format, and that format's content type."""

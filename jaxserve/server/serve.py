@@ -5,6 +5,9 @@ then serves and schedules, broadcasting each step, while the others only run the
 
 Shutdown drains: the first signal makes every new request a 503 (and /health fail) while the requests in flight
 finish, streams included, for at most --drain-timeout seconds; then Hypercorn stops. A second signal cuts the wait.
+
+SIGHUP rereads --api-keys-file (api_keys.reload_api_keys): requests in flight go on and settle with the quota they
+took from; a bad file is logged and the keys stay as they were.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import hypercorn.config
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.llm import LLM
+from jaxserve.server.api_keys import reload_api_keys
 from jaxserve.server.app import ServerContext, create_app
 from jaxserve.server.config import ServerConfig
 
@@ -55,8 +59,17 @@ async def _serve(context: ServerContext) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, asked, hurried)
+    reloads: set[asyncio.Task] = set()  # reloads under way, held so that the loop does not drop them
+    if context.config.api_keys_file is not None:
+        loop.add_signal_handler(signal.SIGHUP, _start_reload, context, reloads)
     await hypercorn.asyncio.serve(app, _hypercorn_config(context.config),
                                   shutdown_trigger=lambda: _drain(context, asked, hurried))
+
+
+def _start_reload(context: ServerContext, reloads: set[asyncio.Task]) -> None:
+    task = asyncio.ensure_future(reload_api_keys(context))
+    reloads.add(task)
+    task.add_done_callback(reloads.discard)
 
 
 def _on_signal(asked: asyncio.Event, hurried: asyncio.Event) -> None:

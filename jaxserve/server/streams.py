@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 from jaxserve.engine.async_engine import EngineEvent
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.errors import JaxserveError
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.quotas import TokenTally
 from jaxserve.server.stream_buffer import StreamBuffer
 
 if TYPE_CHECKING:
@@ -27,8 +28,9 @@ _END = object()  # a prompt's stream ended
 
 
 async def merged_events(context: ServerContext, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
-                        ) -> AsyncIterator[tuple[int, EngineEvent]]:
-    """Every prompt's events as they come, tagged with the prompt's index; the first failure ends them all.
+                        tally: TokenTally) -> AsyncIterator[tuple[int, EngineEvent]]:
+    """Every prompt's events as they come, tagged with the prompt's index; the first failure ends them all. Generated
+    tokens are counted into `tally` (admission's) as they arrive.
 
     Leaving early (the client went away) cancels the per-prompt tasks, which aborts their requests in the engine.
     """
@@ -43,6 +45,8 @@ async def merged_events(context: ServerContext, prompts: Sequence[TokenizedPromp
                                                                    prompt=prompt.text)) as events:
                 async for event in events:
                     observers[index].observe(event)
+                    if isinstance(event, CompletionDelta):
+                        tally.generated += len(event.token_ids)
                     buffer.put(index, event)
         except Exception as e:
             buffer.put(index, e)
@@ -69,11 +73,11 @@ async def merged_events(context: ServerContext, prompts: Sequence[TokenizedPromp
             observer.close(ended_by)
 
 
-async def final_outputs(context: ServerContext, prompts: Sequence[TokenizedPrompt],
-                        params: SamplingParams) -> list[RequestOutput]:
+async def final_outputs(context: ServerContext, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
+                        tally: TokenTally) -> list[RequestOutput]:
     """Each prompt's finished RequestOutput, in prompt order."""
     outputs: dict[int, RequestOutput] = {}
-    async with contextlib.aclosing(merged_events(context, prompts, params)) as events:
+    async with contextlib.aclosing(merged_events(context, prompts, params, tally)) as events:
         async for index, event in events:
             if isinstance(event, RequestOutput):
                 outputs[index] = event

@@ -19,6 +19,9 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
                             benchmarks/serve.py for 30 s at concurrency 16 and 30 s at 64: TTFT / TPOT p50 and p95
     group 3  quantized_engine  benchmarks/kernels.py --engine with four engines alive at once: bf16, int8 and fp8
                             weights, fp8 weights with an fp8 KV cache; batch 1 and 64 decode, each against bf16
+             speculative    benchmarks/speculative.py on the 8B-shaped model, engines without and with speculation:
+                            n-gram drafts and replayed drafts at acceptance 0/0.5/0.8/1, batch 1 and 16: target steps
+                            per token, verifying-step cost, wall speed-up, greedy outputs identical
 
 Each part runs in a process of its own under a wall-clock budget: a Triton crash, an out-of-memory or a hang costs
 that part alone (reported with its status and the tail of its output) and the rest still runs. The report is
@@ -27,8 +30,8 @@ at most, so each group fits one 10-minute command; a second run into the same --
 
 Results, flat in --out: gpu_check.json (every figure, the sub-benchmarks' whole reports, run metadata: commit or
 source hash, date, command), gpu_check.md (the same as tables), gpu_check.log (every part's output) and the plots
-kernels.png, engine.png, startup.png, serve.png, quantized_engine.png. Scratch (logs, sub-reports, the random checkpoint, reused by later
-runs) goes to --work-dir.
+kernels.png, engine.png, startup.png, serve.png, quantized_engine.png, speculative.png. Scratch (logs, sub-reports,
+the random checkpoint, reused by later runs) goes to --work-dir.
 
 On a machine with the package index, once (the GPU host needs no index: it installs from .whl/):
 

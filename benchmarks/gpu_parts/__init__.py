@@ -7,7 +7,8 @@ part only, and the GPU memory it claimed is freed before the next starts.
 
 Budgets are wall-clock limits in seconds, process start and JAX's import included. Each group's GPU budgets add up to
 8 minutes at most, so that a group, with the wheels' install before it, fits one 10-minute command. Groups 1 and 2
-validate and measure the engine itself; group 3 measures what its options change (quantization, ...).
+validate and measure the engine itself; group 3 measures what its options change (quantization, speculative
+decoding).
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ ENGINE_SMOKE_ARGS = ["--smoke", "--engine-batches", "1", "2", "--engine-batched-
 
 # The engine's page size: EngineConfig.block_size's default, which every preset in configs/ keeps.
 PAGE_SIZE = 16
+
+# benchmarks/speculative.py at the 8B shapes: two engines alive at once (without and with speculation), a small bucket
+# grid (batches to 16, 128-token steps: about 25 programs to compile cold) and short runs, to fit its budget.
+SPECULATIVE_GPU_ARGS = ["--model-shape", "llama-3.1-8b", "--dtype", "bfloat16", "--mem-fraction", "0.45",
+                        "--batch-sizes", "1", "16", "--waves", "2", "--output-len", "64", "--rounds", "2",
+                        "--max-num-batched-tokens", "128", "--units", "12", "--copied-units", "4"]
 
 # Attention shapes of the Llama-3.1-8B kernels (32 query heads over 8 KV heads of 128) and their GQA-8 sibling.
 LLAMA_8B_DECODE = ["--batches", "64", "--contexts", "2048"]
@@ -100,5 +107,9 @@ PARTS += [
                     "pallas-fp8-kv-fp8"]),
          "decode with int8 / fp8 weights and an fp8 KV cache against bf16, batch 1 and 64, in one run",
          plot="quantized_engine.png"),
+    Part("speculative", 3, 180, 180, "gpu_parts.speculative:run",
+         dict(args=SPECULATIVE_GPU_ARGS), dict(args=["--smoke"]),
+         "speculative decoding vs none, 8B-shaped engine at batch 1 and 16: n-gram drafts, and replayed drafts at "
+         "acceptance 0-1 (steps per token, verify-step cost, wall speed-up)", plot="speculative.png"),
 ]
 PARTS_BY_NAME = {part.name: part for part in PARTS}

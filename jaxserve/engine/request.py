@@ -121,11 +121,16 @@ class Request:
             raise RuntimeError(f"request {self.request_id!r} has no pending token to resolve")
         if accepted_drafts and self.num_pending_tokens > 1:
             raise RuntimeError(f"request {self.request_id!r} accepted drafts behind another pending token")
-        position = self.num_tokens - self.num_pending_tokens
-        tokens = [*accepted_drafts, token_id]
-        self._token_ids[position:position + 1] = tokens
-        output_position = position - self.num_prompt_tokens
-        self.output_token_ids[output_position:output_position + 1] = tokens
+        position = len(self._token_ids) - self.num_pending_tokens
+        output_position = position - len(self.prompt_token_ids)
+        if accepted_drafts:
+            tokens = [*accepted_drafts, token_id]
+            self._token_ids[position:position + 1] = tokens
+            self.output_token_ids[output_position:output_position + 1] = tokens
+        else:
+            tokens = (token_id,)
+            self._token_ids[position] = token_id
+            self.output_token_ids[output_position] = token_id
         self.num_pending_tokens -= 1
         if self.grammar is not None:
             for token in tokens:

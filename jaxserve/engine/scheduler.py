@@ -149,17 +149,19 @@ class Scheduler:
         Outputs must come back in step order. Results of requests finished meanwhile are dropped.
         """
         self._steps_in_flight.discard(output.step)
-        num_accepted = num_accepted or {}
         for scheduled in output.sequences:
-            if scheduled.num_draft_tokens:
-                self.spec_stats.record(scheduled.num_draft_tokens, num_accepted[scheduled.request_id])
             request = self._requests.get(scheduled.request_id)
+            drafted = scheduled.num_draft_tokens
+            if drafted:
+                self.spec_stats.record(drafted, num_accepted[scheduled.request_id])
             if not scheduled.samples or request is None or request.num_pending_tokens == 0:
                 continue
-            accepted = scheduled.draft_token_ids[:num_accepted.get(scheduled.request_id, 0)]
-            request.resolve_pending_token(sampled[scheduled.request_id], accepted)
-            if scheduled.num_draft_tokens:
-                self._roll_back_rejected(request, scheduled.num_draft_tokens - len(accepted))
+            if drafted:
+                accepted = scheduled.draft_token_ids[:num_accepted[scheduled.request_id]]
+                request.resolve_pending_token(sampled[scheduled.request_id], accepted)
+                self._roll_back_rejected(request, drafted - len(accepted))
+            else:
+                request.resolve_pending_token(sampled[scheduled.request_id])
             # A preempted request keeps this token (it was sampled from intact pages) but holds no pages to register.
             self._register_full_pages(request)
 

@@ -98,16 +98,22 @@ def test_emitted_tokens_have_the_targets_distribution(params):
     assert _close(np.bincount(second, minlength=VOCAB) / after_d1.sum(), expected[1], after_d1.sum())
 
 
-def test_greedy_rows_accept_drafts_while_they_are_the_argmax():
+@pytest.mark.parametrize("beside_a_sampled_row", [False, True])
+def test_greedy_rows_accept_drafts_while_they_are_the_argmax(beside_a_sampled_row):
     logits = np.full((4, VOCAB), -1.0, np.float32)
     logits[[0, 1, 2, 3], [3, 5, 1, 0]] = 2.0  # argmax per position: 3, 5, 1, 0
     rows = [SamplingRow(SamplingParams(temperature=0), (0,), (), (), seed=0, step=1)] * 3
     tests = [(3, 5, 2), (3, 5, 1), (4, 5, 1)]  # rejected at the third, all accepted, rejected at the first
-    arrays = DraftArrays(token_ids=np.array(tests, np.int32), num_drafts=np.full(3, 3, np.int32),
-                         logits_index=np.arange(12, dtype=np.int32).reshape(3, 4))
-    out, verified = verify_jit(np.tile(logits, (3, 1)), arrays, build_sampling_tensors(rows), num_top_logprobs=1)
-    assert np.asarray(verified.num_accepted).tolist() == [2, 3, 0]
-    assert np.asarray(out.token_ids).tolist() == [1, 0, 3]  # the argmax where the run stopped, or the bonus token
+    if beside_a_sampled_row:  # the step then runs rejection sampling too; greedy rows must not notice
+        rows, tests = rows + [SamplingRow(SamplingParams(temperature=1.0), (0,), (), (), seed=3, step=1)], tests + [
+            (0, 0, 0)]
+    n = len(rows)
+    arrays = DraftArrays(token_ids=np.array(tests, np.int32), num_drafts=np.full(n, 3, np.int32),
+                         logits_index=np.arange(4 * n, dtype=np.int32).reshape(n, 4))
+    out, verified = verify_jit(np.tile(logits, (n, 1)), arrays, build_sampling_tensors(rows), num_top_logprobs=1)
+    assert np.asarray(verified.num_accepted)[:3].tolist() == [2, 3, 0]
+    # The argmax where the run stopped, or the bonus token.
+    assert np.asarray(out.token_ids)[:3].tolist() == [1, 0, 3]
 
 
 def _draft_arrays(rows, drafts):

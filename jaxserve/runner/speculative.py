@@ -75,18 +75,16 @@ def verify_drafts(logits: jax.Array, drafts: DraftArrays, tensors: SamplingTenso
     positions = jnp.tile(jnp.arange(width, dtype=jnp.int32), rows)  # i32[R], R = S * (K + 1)
     expanded = _per_position(tensors, width, positions)
     raw_logprobs, processed = target_logits(logits, expanded)  # f32[R, V]
-    scaled = tempered_logits(processed, expanded)  # f32[R, V]
-    keys = row_keys(expanded)  # key[R]
     # The draft each position tests: draft j + 1 at position j; -1 where the row has no more.
     padded = jnp.pad(drafts.token_ids, ((0, 0), (0, 1)), constant_values=-1)  # i32[S, K + 1]
     tested = jnp.where(jnp.arange(width)[None, :] < drafts.num_drafts[:, None], padded, -1).reshape(-1)  # i32[R]
-    accepted = (tested >= 0) & jnp.where(expanded.greedy, jnp.argmax(processed, axis=-1) == tested,
-                                         _uniforms(keys) < _probability_of(scaled, tested))  # bool[R]
+    argmax = jnp.argmax(processed, axis=-1)  # i32[R]
+    # Tempering sorts every row of the vocabulary: a batch of greedy rows only (the common case) skips it.
+    sampled_accepts, drawn = jax.lax.cond(jnp.all(expanded.greedy), _greedy_only, _rejection_sampling, processed,
+                                          expanded, tested)  # bool[R], i32[R]
+    accepted = (tested >= 0) & jnp.where(expanded.greedy, argmax == tested, sampled_accepts)  # bool[R]
     num_accepted = jnp.sum(jnp.cumprod(accepted.reshape(rows, width), axis=1), axis=1).astype(jnp.int32)  # i32[S]
-    # Where a draft was rejected, the residual leaves it out; past the drafts nothing is left out (the bonus token).
-    residual = jnp.where(jnp.arange(scaled.shape[1])[None, :] == tested[:, None], -jnp.inf, scaled)  # f32[R, V]
-    drawn = jnp.argmax(residual + gumbel_noise(keys, scaled.shape[1]), axis=-1)  # i32[R]
-    own = jnp.where(expanded.greedy, jnp.argmax(processed, axis=-1), drawn).reshape(rows, width)  # i32[S, K + 1]
+    own = jnp.where(expanded.greedy, argmax, drawn).reshape(rows, width)  # i32[S, K + 1]
     emitted = jnp.where(jnp.arange(width)[None, :] < num_accepted[:, None], padded, own)  # i32[S, K + 1]
     described = describe_tokens(raw_logprobs, emitted.reshape(-1).astype(jnp.int32), num_top_logprobs)
     by_position = jax.tree.map(lambda leaf: leaf.reshape(rows, width, *leaf.shape[1:]), described)
@@ -94,6 +92,22 @@ def verify_drafts(logits: jax.Array, drafts: DraftArrays, tensors: SamplingTenso
         leaf, num_accepted.reshape(rows, 1, *([1] * (leaf.ndim - 2))), axis=1)[:, 0], by_position)
     return last, VerifiedDrafts(num_accepted=num_accepted,
                                 accepted=jax.tree.map(lambda leaf: leaf[:, :width - 1], by_position))
+
+
+def _rejection_sampling(processed: jax.Array, tensors: SamplingTensors,
+                        tested: jax.Array) -> tuple[jax.Array, jax.Array]:  # bool[R], i32[R]
+    """Sampled rows: whether each tested draft passes (u < p(draft)), and the token drawn where the run stops: from
+    the residual after a rejection, from the whole distribution past the drafts (the bonus token)."""
+    scaled = tempered_logits(processed, tensors)  # f32[R, V]
+    keys = row_keys(tensors)  # key[R]
+    passes = _uniforms(keys) < _probability_of(scaled, tested)  # bool[R]
+    residual = jnp.where(jnp.arange(scaled.shape[1])[None, :] == tested[:, None], -jnp.inf, scaled)  # f32[R, V]
+    return passes, jnp.argmax(residual + gumbel_noise(keys, scaled.shape[1]), axis=-1).astype(jnp.int32)
+
+
+def _greedy_only(processed: jax.Array, tensors: SamplingTensors, tested: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """No row samples: nothing to draw (greedy rows take the argmax)."""
+    return jnp.zeros(tested.shape, jnp.bool_), jnp.zeros(tested.shape, jnp.int32)
 
 
 def _per_position(tensors: SamplingTensors, width: int, positions: jax.Array) -> SamplingTensors:

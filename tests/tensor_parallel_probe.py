@@ -22,7 +22,7 @@ from jaxserve.model.param_names import is_stacked  # noqa: E402
 from jaxserve.parallel import TP_AXIS, param_partition_spec, plan_tensor_parallel  # noqa: E402
 from jaxserve.parallel.collectives import all_gather_shapes, count_collectives  # noqa: E402
 from tests.hf_models import write_tiny_checkpoint  # noqa: E402
-from tests.test_engine import _workload  # noqa: E402
+from tests.test_engine import RandomDrafts, _workload  # noqa: E402
 
 TP_SIZES = (1, 2, 4, 8)
 # The Pallas kernel (through Pallas' interpreter) inside shard_map: plain split, and one repeated KV head per device.
@@ -55,8 +55,7 @@ def speculative_report(model_dir: Path, tp: int) -> dict:
     """Greedy tokens with drafts verified under tensor parallelism: random drafts, so rollback runs nearly always."""
     llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, **ENGINE)
-    rng = np.random.default_rng(0)
-    llm.engine.scheduler.proposer.propose = lambda tokens, count: tuple(int(t) for t in rng.integers(3, 500, count))
+    llm.engine.scheduler.proposer = RandomDrafts(seed=0)
     tokens = greedy_tokens(llm)
     return dict(tokens=tokens, compiles_after_warmup=llm.engine.compiles_after_warmup,
                 num_draft_tokens=llm.engine.stats().spec_decode.num_draft_tokens)

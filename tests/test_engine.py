@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine.proposers import SequenceProposer
 from jaxserve.reference.reference_llm import ReferenceLLM
 
 # One shape set for every engine here, so the compiled programs are shared through the persistent cache.
@@ -63,12 +64,21 @@ def test_preemption_by_recompute_keeps_outputs_exact(reference_outputs, tiny_poo
     assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
 
 
+class RandomDrafts(SequenceProposer):
+    """As many random drafts as allowed: nearly all rejected, so rollback runs at every step."""
+
+    def __init__(self, seed: int):
+        self._rng = np.random.default_rng(seed)
+
+    def propose(self, token_ids, max_drafts):
+        return tuple(int(t) for t in self._rng.integers(3, 500, max_drafts))
+
+
 def test_preemption_with_speculation_keeps_outputs_exact(reference_outputs):
     """Drafts take pages too: rejected ones give theirs back, and a preempted request recomputes without them."""
     llm = LLM(**dict(TINY_POOL, num_kv_pages=10), speculative_config=NGRAM)
-    rng = np.random.default_rng(2)
     # Every sampling chunk gets all the drafts that fit, nearly all of them wrong: the pool fills up.
-    llm.engine.scheduler.proposer.propose = lambda tokens, count: tuple(int(t) for t in rng.integers(3, 500, count))
+    llm.engine.scheduler.proposer = RandomDrafts(seed=2)
     prompts, params = _workload()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.stats()

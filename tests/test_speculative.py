@@ -19,6 +19,7 @@ from jaxserve.runner.speculative import DraftArrays, verify_drafts
 from jaxserve.schedule import SamplingRow
 from jaxserve.speculative_config import SpeculativeConfig
 from tests.hf_models import write_tiny_checkpoint
+from tests.test_engine import RandomDrafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # The shapes of the session's tiny_llm (tests/conftest.py), so both engines see the same step limits.
@@ -141,14 +142,6 @@ class _OracleProposer(SequenceProposer):
         return tuple(run[len(token_ids):len(token_ids) + max_drafts])
 
 
-class _RandomProposer(SequenceProposer):
-    def __init__(self, seed):
-        self._rng = np.random.default_rng(seed)
-
-    def propose(self, token_ids, max_drafts):
-        return tuple(int(t) for t in self._rng.integers(0, 512, max_drafts))
-
-
 @pytest.fixture(scope="module")
 def spec_llm():
     return LLM(None, **ENGINE, speculative_config=NGRAM)
@@ -182,7 +175,7 @@ def test_greedy_output_and_logprobs_are_those_without_speculation(spec_llm, plai
         scheduler.proposer = _OracleProposer([p["prompt_token_ids"] for p in prompts],
                                              [o.outputs[0].token_ids for o in plain])
     elif proposer == "random":
-        scheduler.proposer = _RandomProposer(seed=1)
+        scheduler.proposer = RandomDrafts(seed=1)
     before = spec_llm.engine.stats().spec_decode
     try:
         outputs = spec_llm.generate(prompts, params, use_tqdm=False)
@@ -361,3 +354,20 @@ def test_streamed_deltas_of_accepted_runs_spell_the_whole_output(spec_llm, tiny_
         assert "".join(d.text for d in own) == output.outputs[0].text
         assert own[-1].finish_reason == "length"
     assert engine.stats().spec_decode.num_accepted_tokens - before > 10
+
+
+def test_ngram_histories_follow_their_requests_and_are_dropped_with_them():
+    from jaxserve.engine.proposers import DraftSlot
+    from jaxserve.engine.request import Request
+
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=2, prompt_lookup_min=1))
+    request = Request("a", [4, 5, 6, 4], SamplingParams(), arrival_index=0)
+    slot = DraftSlot(request, chunk_end=4, max_drafts=3)
+    assert proposer.propose_batch([slot]) == [(5, 6, 4)]
+    for token in (5, 6, 9):  # outputs read back since: the history grows with them
+        request.append_pending_token()
+        request.resolve_pending_token(token)
+    assert proposer.propose_batch([slot]) == [proposer.propose([4, 5, 6, 4, 5, 6, 9], 3)] == [()]
+    again = Request("a", [7, 8, 7], SamplingParams(), arrival_index=1)  # a later request reusing the id
+    assert proposer.propose_batch([DraftSlot(again, 3, 3)]) == [(8, 7)]
+    assert proposer.propose_batch([]) == [] and not proposer._histories

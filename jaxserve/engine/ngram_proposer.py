@@ -13,28 +13,66 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.engine.proposers import SequenceProposer
+from jaxserve.engine.proposers import DraftSlot, SequenceProposer
+from jaxserve.engine.request import Request
 from jaxserve.speculative_config import SpeculativeConfig
 
 
 class NgramProposer(SequenceProposer):
-    """Proposes up to k drafts from a sequence's own history."""
+    """Proposes up to k drafts from a sequence's own history, kept as a numpy array that grows with the sequence
+    (copying a long history every step would cost the host more than the lookup)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self._histories: dict[str, _History] = {}  # request id -> its known tokens, for sequences of recent steps
+
+    def propose_batch(self, slots: Sequence[DraftSlot]) -> list[tuple[int, ...]]:
+        drafts = [self._lookup(self._history(slot.request), slot.max_drafts) if slot.max_drafts else ()
+                  for slot in slots]
+        present = {slot.request.request_id for slot in slots}
+        for request_id in self._histories.keys() - present:  # finished, preempted or waiting: rebuilt if it returns
+            del self._histories[request_id]
+        return drafts
 
     def propose(self, token_ids: Sequence[int], max_drafts: int) -> tuple[int, ...]:
         """Drafts to follow `token_ids` (every id known), at most max_drafts; () when no suffix recurs."""
-        if max_drafts < 1 or len(token_ids) <= self.min_n:
+        return self._lookup(np.asarray(token_ids, np.int64), max_drafts)
+
+    def _history(self, request: Request) -> np.ndarray:  # i64[known tokens]
+        history = self._histories.get(request.request_id)
+        if history is None or history.request is not request:
+            history = self._histories[request.request_id] = _History(request)
+        return history.extended()
+
+    def _lookup(self, tokens: np.ndarray, max_drafts: int) -> tuple[int, ...]:
+        if max_drafts < 1 or len(tokens) <= self.min_n:
             return ()
-        tokens = np.asarray(token_ids, np.int64)  # i64[L]
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = _latest_earlier_match(tokens, n)
             if start is not None:
                 follow = start + n
                 return tuple(int(t) for t in tokens[follow:follow + max_drafts])
         return ()
+
+
+class _History:
+    """A request's known tokens in a numpy buffer that doubles when full; known tokens never change, they only
+    grow, so each step appends the new ones."""
+
+    def __init__(self, request: Request):
+        self.request = request  # the request it mirrors (an id may be reused by a later request)
+        self._buffer = np.zeros(max(64, 2 * request.num_known_tokens), np.int64)  # i64[capacity]
+        self._length = 0
+
+    def extended(self) -> np.ndarray:  # i64[known tokens]: a view, valid until the next call
+        known = self.request.num_known_tokens
+        if known > self._length:
+            if known > len(self._buffer):
+                self._buffer = np.concatenate([self._buffer, np.zeros(known + len(self._buffer), np.int64)])
+            self._buffer[self._length:known] = self.request.token_ids(self._length, known)
+            self._length = known
+        return self._buffer[:known]
 
 
 def _latest_earlier_match(tokens: np.ndarray, n: int) -> int | None:

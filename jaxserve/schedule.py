@@ -38,10 +38,17 @@ class SamplingRow:
     output_ids: Sequence[int]
     eos_token_ids: Sequence[int]  # the tokenizer's EOS ids; min_tokens masks them unless ignore_eos
     seed: int  # the request's seed, or one the engine drew for it
-    step: int  # distinct per draw of the row: how many tokens the sequence has generated, this one included
+    # Distinct per draw of the row: how many tokens the sequence has generated, this one included. None: the length
+    # of output_ids when the arrays are built (the live list then holds this draw's pending token), so one row can
+    # serve a request step after step.
+    step: int | None = None
     # i32[ceil(vocab / 32)]: the tokens its grammar allows in this draw, as packed bits (bit t % 32 of word t // 32);
     # None: every token (no structured output, or a chunk that does not sample)
     token_mask: np.ndarray | None = None
+
+    @property
+    def draw_step(self) -> int:
+        return self.step if self.step is not None else len(self.output_ids)
 
 
 @dataclasses.dataclass(frozen=True)

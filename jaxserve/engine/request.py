@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.schedule import PENDING_TOKEN
+from jaxserve.schedule import PENDING_TOKEN, SamplingRow
 
 if TYPE_CHECKING:
     from jaxserve.engine.structured_output import GrammarMatcher
@@ -66,6 +66,9 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self._token_ids = list(self.prompt_token_ids)
+        # How its tokens are drawn, for the runner: the live outputs, so one row serves every step.
+        self.sampling_row = SamplingRow(params=params, prompt_ids=self.prompt_token_ids,
+                                        output_ids=self.output_token_ids, eos_token_ids=eos_token_ids, seed=seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -410,9 +410,10 @@ def _may_draft(request: Request) -> bool:
 
 
 def _sampling_row(request: Request, samples: bool) -> SamplingRow:
-    """How the request's next token is drawn; built after its pending token is booked, so `step` counts it."""
-    constrained = samples and request.grammar is not None
-    return SamplingRow(params=request.params, prompt_ids=request.prompt_token_ids,
-                       # The live list, not a copy: the row becomes arrays before the request changes.
-                       output_ids=request.output_token_ids, eos_token_ids=request.eos_token_ids, seed=request.seed,
-                       step=request.num_output_tokens, token_mask=request.grammar.next_mask() if constrained else None)
+    """How the request's next token is drawn; read after its pending token is booked, so the draw's step counts it.
+
+    One row serves an unconstrained request for its whole life (its step is read from the live outputs); a grammar's
+    mask changes with every token, so a constrained draw gets a row of its own."""
+    if samples and request.grammar is not None:
+        return dataclasses.replace(request.sampling_row, token_mask=request.grammar.next_mask())
+    return request.sampling_row

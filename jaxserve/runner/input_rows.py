@@ -64,7 +64,7 @@ class InputRows:
         num_outputs = np.zeros(num_rows, np.int32)
         num_outputs[:len(rows)] = np.fromiter((len(r.output_ids) for r in rows), np.int32, len(rows))
         steps = np.zeros(num_rows, np.int32)
-        steps[:len(rows)] = np.fromiter((r.step for r in rows), np.int32, len(rows))
+        steps[:len(rows)] = np.fromiter((r.draw_step for r in rows), np.int32, len(rows))
         histories = penalty_tensors(rows, num_rows, history_width) if history_width > 1 else None
         return SamplingTensors(
             greedy=kept["greedy"], temperature=kept["temperature"], seeds=kept["seeds"], steps=steps,

@@ -33,6 +33,24 @@ class ConfigError(JaxserveError):
     """A settings file or flag is unknown or has a value of the wrong kind."""
 
 
+class LoraAdapterError(JaxserveError):
+    """A LoRA adapter folder is missing, unreadable, or inconsistent with itself (its config and its tensors)."""
+
+
+class UnsupportedLoraError(LoraAdapterError):
+    """A valid PEFT adapter that uses something jaxserve does not serve (DoRA, trained biases or embeddings, LoRA on
+    modules other than the decoder projections, per-module ranks, another PEFT method)."""
+
+
+class LoraRankError(LoraAdapterError):
+    """The adapter's rank is above the largest the server was started for (max_lora_rank)."""
+
+
+class LoraBaseModelMismatchError(LoraAdapterError):
+    """The adapter was made for another base model: its modules, layers or tensor shapes disagree with the served
+    model's config."""
+
+
 class EngineStepError(Exception):
     """A step of the engine failed while running the request; the server answers 500 and keeps serving."""
 

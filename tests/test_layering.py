@@ -22,6 +22,7 @@ _FORBIDDEN = {
                        "jaxserve.parallel"),
     "jaxserve/parallel": ("jaxserve.checkpoint", "jaxserve.runner", "jaxserve.engine", "jaxserve.entrypoints",
                           "jaxserve.server"),
+    "jaxserve/checkpoint": ("jaxserve.runner", "jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server"),
     "jaxserve/runner": ("jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server"),
     "jaxserve/engine": ("jaxserve.entrypoints", "jaxserve.server"),
     "jaxserve/entrypoints": ("jaxserve.server",),

@@ -29,6 +29,7 @@ from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.draft_model import DraftModelProposer, plan_draft_model
 from jaxserve.engine.startup import start_runner
+from jaxserve.engine.step_phases import StepPhaseTimes
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
@@ -94,6 +95,7 @@ class LLMEngine:
         self._draw_seeds = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
         self._deltas: list[CompletionDelta] = []
+        self.phase_times = StepPhaseTimes()  # host time per phase of step(), summed
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
                     prompt: str | None = None, stream: bool = False, priority: int | None = None) -> None:
@@ -181,12 +183,14 @@ class LLMEngine:
             self._in_flight = None
         else:
             finished = []
-        with jax.profiler.TraceAnnotation("schedule"):
+        with jax.profiler.TraceAnnotation("schedule"), self.phase_times.timing("schedule"):
             schedule = self.scheduler.schedule()
-        dispatched = None if schedule.is_empty else _InFlight(schedule, self.runner.execute(schedule))
+        with self.phase_times.timing("dispatch"):
+            dispatched = None if schedule.is_empty else _InFlight(schedule, self.runner.execute(schedule))
         if self._in_flight is not None:
             finished += self._complete(self._in_flight)
         self._in_flight = dispatched
+        self.phase_times.steps += 1
         return finished
 
     def _may_overlap(self) -> bool:
@@ -200,7 +204,12 @@ class LLMEngine:
 
     def _complete(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Reads a step's samples back, hands them to the scheduler and to each sequence's output assembly."""
-        batch = in_flight.step.fetch()
+        with self.phase_times.timing("wait"):
+            batch = in_flight.step.fetch()
+        with self.phase_times.timing("outputs"):
+            return self._take_samples(in_flight, batch)
+
+    def _take_samples(self, in_flight: _InFlight, batch: SampledBatch) -> list[RequestOutput]:
         self._record_prompt_scores(in_flight.schedule, batch)
         sampled = {s.request_id: int(batch.token_ids[row])
                    for row, s in enumerate(in_flight.schedule.sequences) if s.samples and s.request_id in self._parent_of}

@@ -48,7 +48,8 @@ from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
 from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors
 from jaxserve.runner.speculative import VerifiedDrafts, build_draft_arrays
-from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_step
+from jaxserve.runner.packed_inputs import PackedLayout
+from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_packed_step
 from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput, mask_width
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +175,11 @@ class ModelRunner:
         logits_shardings = LogitsShardings(
             computed=NamedSharding(self.mesh, logits_partition_spec(model_config.vocab_size, self.mesh)),
             sampled=self._replicated)
-        self._jitted = jax.jit(functools.partial(run_step, graphdef, logits_shardings=logits_shardings),
-                               static_argnames="num_top_logprobs", donate_argnames="pool",
+        self._jitted = jax.jit(functools.partial(run_packed_step, graphdef, logits_shardings=logits_shardings),
+                               static_argnames=("layout", "num_top_logprobs"), donate_argnames="pool",
                                out_shardings=(self._replicated, self._pool_leaf_shardings()))
         self._programs: dict[StepBucket, jax.stages.Compiled] = {}
+        self._layouts: dict[StepBucket, PackedLayout] = {}  # each bucket's inputs in its one transfer buffer
         self.warmup_stats: WarmupStats | None = None  # set by warm_up
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
         # The per-step broadcast when the mesh spans processes; None on one process.
@@ -244,10 +246,15 @@ class ModelRunner:
         self.guard.arm()
 
     def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
-        arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated),
-                              self._padding_arrays(bucket))
-        return self._jitted.lower(self._abstract_params, self._pool_shape(num_pages), self._last_tokens, arrays,
-                                  num_top_logprobs=self.config.max_logprobs)
+        layout = self._layout(bucket)
+        packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._replicated)
+        return self._jitted.lower(self._abstract_params, self._pool_shape(num_pages), self._last_tokens, packed,
+                                  layout=layout, num_top_logprobs=self.config.max_logprobs)
+
+    def _layout(self, bucket: StepBucket) -> PackedLayout:
+        if bucket not in self._layouts:
+            self._layouts[bucket] = PackedLayout.of(self._padding_arrays(bucket))
+        return self._layouts[bucket]
 
     def _compile_watched(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         with self.guard.watch():
@@ -315,21 +322,21 @@ class ModelRunner:
     def _run_program(self, bucket: StepBucket, host_arrays: StepArrays) -> StepResult:
         """Launches the bucket's program on the pool; the same call on every process of a lockstep group."""
         with jax.profiler.TraceAnnotation("step"):
-            arrays = self._to_devices(host_arrays)
-            result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, arrays)
+            packed = self._to_devices(self._layout(bucket).pack(host_arrays))
+            result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, packed)
         self.bucket_counts[bucket] += 1
         self._last_tokens = result.last_tokens
         return result
 
-    def _to_devices(self, host_arrays: StepArrays) -> StepArrays:
-        """The step's inputs, replicated over the mesh.
+    def _to_devices(self, packed: np.ndarray) -> jax.Array:
+        """The step's inputs (i32[size], PackedLayout), replicated over the mesh in one transfer.
 
         Over processes each one builds its addressable shards from its own copy (identical after the broadcast):
-        `device_put` would instead check that they agree with one more collective per array, every step.
+        `device_put` would instead check that they agree with one more collective, every step.
         """
         if self._channel is None:
-            return jax.device_put(host_arrays, self._replicated)
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self._replicated, x), host_arrays)
+            return jax.device_put(packed, self._replicated)
+        return jax.make_array_from_process_local_data(self._replicated, packed)
 
     @property
     def is_follower(self) -> bool:

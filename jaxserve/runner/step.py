@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, PagedKVCache
+from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.sampler import SamplerOutput, SamplingTensors, describe_tokens, sample
 from jaxserve.runner.speculative import DraftArrays, VerifiedDrafts, verify_drafts
 
@@ -58,6 +59,15 @@ class StepResult:
     last_tokens: jax.Array  # i32[max_rows]: sampled ids padded to a fixed width, fed to the next step's pending tokens
     prompt_scores: SamplerOutput | None  # per token (T rows): its prompt_targets entry scored; None without targets
     drafts: VerifiedDrafts | None = None  # the accepted drafts before each row's sampled token; None without drafts
+
+
+def run_packed_step(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, previous_tokens: jax.Array,
+                    packed: jax.Array,  # i32[layout.size]: the step's StepArrays in one buffer
+                    layout: PackedLayout,  # static: the bucket's
+                    num_top_logprobs: int,  # static
+                    logits_shardings: LogitsShardings | None = None) -> tuple[StepResult, PagedKVCache]:
+    """`run_step` on inputs that arrived in one transfer."""
+    return run_step(graphdef, params, pool, previous_tokens, layout.unpack(packed), num_top_logprobs, logits_shardings)
 
 
 def run_step(

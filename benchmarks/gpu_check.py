@@ -11,21 +11,24 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
              kernel_timing  benchmarks/kernels.py at decode 64 seqs x 2k context (Llama-3.1-8B's 32/8 heads, and GQA 8)
                             and prefill: fractions of copy bandwidth / matmul rate, vs JAX's shipped op and XLA
              startup        benchmarks/startup.py at the 8B preset's shapes: cold (fresh compilation cache) and warm
-    group 2  engine_parity  Llama-3.1-8B-shaped random bf16 model: 32 prompts, 64 greedy tokens, pallas vs xla
-                            attention must give identical token ids (else the first divergence and its margins)
+    group 2  engine_parity  Llama-3.1-8B-shaped random bf16 model, pallas vs xla attention: log-probabilities of the
+                            same tokens (32 prompts + 64 greedy tokens) against a float32 engine of the same weights,
+                            prefill and decode paths (pallas within 1.5x XLA's distance); greedy ids compared too
              engine_speed   benchmarks/kernels.py --engine: batch-1 decode against the HBM roofline, throughput at 64
-                            and 256 sequences, pallas vs xla
-             serve          `jaxserve serve --config configs/llama-3.1-8b-h100.yaml` on a random 8B checkpoint,
-                            benchmarks/serve.py for 30 s at concurrency 16 and 30 s at 64: TTFT / TPOT p50 and p95
-    group 3  quantized_engine  benchmarks/kernels.py --engine with four engines alive at once: bf16, int8 and fp8
-                            weights, fp8 weights with an fp8 KV cache; batch 1 and 64 decode, each against bf16
+                            and 256 sequences, pallas vs xla vs pallas with the scanned layers' loop in one CUDA graph,
+                            host time per step phase (schedule, dispatch, wait, outputs)
              speculative    benchmarks/speculative.py on the 8B-shaped model, engines without and with speculation:
                             n-gram drafts and replayed drafts at acceptance 0/0.5/0.8/1, batch 1 and 16: target steps
-                            per token, verifying-step cost, wall speed-up, greedy outputs identical
+                            per token, verifying-step cost, wall speed-up
+    group 3  quantized_engine  benchmarks/kernels.py --engine with four engines alive at once: bf16, int8 and fp8
+                            weights, fp8 weights with an fp8 KV cache; batch 1 and 64 decode, each against bf16
+             serve          `jaxserve serve --config configs/llama-3.1-8b-h100.yaml` on a random 8B checkpoint (its
+                            tokenizer widened to the model's vocabulary), benchmarks/serve.py for 30 s at concurrency
+                            16 and 30 s at 64: TTFT / TPOT p50 and p95
 
 Each part runs in a process of its own under a wall-clock budget: a Triton crash, an out-of-memory or a hang costs
 that part alone (reported with its status and the tail of its output) and the rest still runs. The report is
-rewritten after every part, so a run killed midway keeps what finished. Each group's budgets add up to 8 minutes
+rewritten after every part, so a run killed midway keeps what finished. Each group's budgets add up to 8.2 minutes
 at most, so each group fits one 10-minute command; a second run into the same --out adds its parts to the report.
 
 Results, flat in --out: gpu_check.json (every figure, the sub-benchmarks' whole reports, run metadata: commit or

@@ -111,7 +111,13 @@ class EngineVariant:
     backend: str  # --attention-backend
     quantization: str | None = None  # --quantization of the random weights (quantized on the device)
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
+    xla_flags: str = ""  # added to XLA_FLAGS in this engine's process (XLA:GPU settings under test)
 
+
+# XLA:GPU runs the scanned layers' loop as one launch of the body per layer (its trip count is known, so no host
+# sync), and by default captures each body, not the loop, as a CUDA graph; this variant asks for the whole loop in
+# one graph (CUDA 12.3+), to measure what the per-layer launches cost a batch-1 step.
+GRAPHED_LOOP_FLAGS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true"
 
 ENGINE_VARIANTS = {
     PALLAS_BACKEND: EngineVariant(PALLAS_BACKEND),
@@ -120,6 +126,7 @@ ENGINE_VARIANTS = {
     "pallas-fp8": EngineVariant(PALLAS_BACKEND, "fp8"),
     "pallas-kv-fp8": EngineVariant(PALLAS_BACKEND, kv_cache_dtype="fp8"),
     "pallas-fp8-kv-fp8": EngineVariant(PALLAS_BACKEND, "fp8", "fp8"),
+    "pallas-graphed-loop": EngineVariant(PALLAS_BACKEND, xla_flags=GRAPHED_LOOP_FLAGS),
 }
 ENGINE_INIT_STD = 0.02  # a trained model's scale: keeps activations finite through 32 bf16 layers
 
@@ -945,10 +952,12 @@ def engine_decode_run(batch: int, tag: str) -> dict[str, Any]:
     for _ in range(settings.warm_steps):
         engine.step()
     before = request_lengths(engine, ids)
+    phases_before = dataclasses.replace(engine.phase_times)
     start = time.perf_counter()
     for _ in range(settings.steps):
         engine.step()
     seconds = time.perf_counter() - start
+    phases = engine.phase_times.since(phases_before).per_step_ms()
     after = request_lengths(engine, ids)
     for request_id in ids:
         engine.abort_request(request_id)
@@ -957,8 +966,16 @@ def engine_decode_run(batch: int, tag: str) -> dict[str, Any]:
     generated = sum(a[1] - b[1] for a, b in zip(after, before))
     return {"batch": batch, "steps": settings.steps, "seconds": seconds, "generated_tokens": generated,
             "step_s": seconds / settings.steps, "tokens_per_s": generated / seconds,
+            "host_phase_ms": phases,  # per step: schedule, dispatch, wait (device time not hidden), outputs
             # Mid-window lengths stand for the window's mean KV read.
             "mid_window_seq_lens": [(a[0] + b[0]) // 2 for a, b in zip(after, before)]}
+
+
+def variant_environment(variant: EngineVariant) -> dict[str, str]:
+    """The environment variables an engine variant's process adds: its XLA flags after any already set."""
+    if not variant.xla_flags:
+        return {}
+    return {"XLA_FLAGS": " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), variant.xla_flags]))}
 
 
 @contextlib.contextmanager
@@ -1015,7 +1032,9 @@ def summarize_engine(ready: dict[str, dict[str, Any]], runs: dict[str, dict[int,
                 row[backend] = {"step_s": statistics.median(r["step_s"] for r in good),
                                 "tokens_per_s": statistics.median(r["tokens_per_s"] for r in good),
                                 "fraction_of_roofline": statistics.median(s["fraction_of_roofline"] for s in shares),
-                                "roofline_step_s": statistics.median(s["roofline_step_s"] for s in shares)}
+                                "roofline_step_s": statistics.median(s["roofline_step_s"] for s in shares),
+                                "host_phase_ms": {phase: statistics.median(r["host_phase_ms"][phase] for r in good)
+                                                  for phase in good[0]["host_phase_ms"]}}
         first, *others = settings.variants
         for other in others:
             pairs = [(o, f) for o, f in zip(runs[other][batch], runs[first][batch]) if "error" not in o and "error"
@@ -1044,7 +1063,8 @@ def run_engine_part(settings: EngineSettings, mem_fraction: float, report: dict[
         for backend in settings.variants:
             executor = stack.enter_context(concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn))
             try:
-                report["ready"][backend] = executor.submit(start_engine, settings, backend).result()
+                with environment(**variant_environment(ENGINE_VARIANTS[backend])):  # the process starts here
+                    report["ready"][backend] = executor.submit(start_engine, settings, backend).result()
                 executors[backend] = executor
                 print(f"{backend} engine ready in {report['ready'][backend]['startup_s']:.1f} s", flush=True)
             except Exception as error:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,6 +25,11 @@ from gpu_parts.env import parse_gpu_rows  # noqa: E402
 from gpu_parts.kernel_check import Case, kernel_variant, ragged_batch  # noqa: E402
 from gpu_parts.isolation import GRACE_S  # noqa: E402
 from gpu_parts.report import COMBINED_LOG, REPORT_JSON, REPORT_MARKDOWN  # noqa: E402
+from gpu_parts.engine_parity import REFERENCE, log_prob_errors  # noqa: E402
+from gpu_parts.serving import cover_vocabulary  # noqa: E402
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from jaxserve.checkpoint import BUILTIN_MODEL_DIR  # noqa: E402
+from jaxserve.tokenizer import load_tokenizer  # noqa: E402
 
 COMMAND_LIMIT_S = 10 * 60
 SETUP_ALLOWANCE_S = 90  # installing the carried wheels and starting, before the first part
@@ -51,7 +57,7 @@ def test_results_folder_stays_flat_small_and_plainly_named():
 def test_listing_names_every_part_and_each_groups_budget():
     text = gpu_check.listing()
     assert all(part.name in text for part in PARTS)
-    assert "group 1: 480 s" in text and "group 2: 480 s" in text and "group 3: 480 s" in text
+    assert "group 1: 480 s" in text and "group 2: 480 s" in text and "group 3: 490 s" in text
 
 
 def test_nvidia_smi_query_rows_parse_into_named_fields():
@@ -60,6 +66,54 @@ def test_nvidia_smi_query_rows_parse_into_named_fields():
     assert rows == [{"name": "NVIDIA H100 80GB HBM3", "driver_version": "580.159.04", "memory.total": "81559 MiB",
                      "clocks.max.sm": "1980 MHz", "clocks.max.memory": "2619 MHz", "power.limit": "700.00 W",
                      "pci.bus_id": "00000000:00:05.0"}]
+
+
+def greedy_output(tokens: list[int], logprobs: list[float], runner_up: int) -> RequestOutput:
+    entries = [{token: Logprob(value, 1, ""), runner_up: Logprob(value - 0.01, 2, "")}
+               for token, value in zip(tokens, logprobs)]
+    completion = CompletionOutput(0, "", tuple(tokens), None, entries, "length", None)
+    return RequestOutput("0", None, (), [completion], True)
+
+
+def test_engine_parity_passes_bf16_noise_and_fails_a_kernel_that_moves_log_probabilities():
+    rng = np.random.default_rng(0)
+    prompt, continuation = [1, 2, 3], [4, 5, 6, 7]
+    sequence = prompt + continuation
+    reference = rng.normal(-11.0, 0.3, len(sequence) - 1)  # the score of each token after the first
+
+    def run_of(offsets: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, RequestOutput]:
+        scored = reference + offsets
+        return scored, greedy_output(tokens, list(scored[len(prompt) - 1:]), runner_up=99)
+
+    xla_scores, xla = run_of(rng.normal(0, 0.01, reference.size), continuation)
+    noisy_scores, noisy = run_of(rng.normal(0, 0.01, reference.size), [4, 5, 99, 8])  # leaves at a near tie
+    wrong_scores, wrong = run_of(rng.normal(0, 0.01, reference.size) + np.arange(reference.size) * 0.1, continuation)
+
+    def verdicts(pallas_scores: np.ndarray, pallas: RequestOutput) -> dict:
+        return log_prob_errors([prompt], [sequence], {"pallas": [pallas], "xla": [xla]},
+                               {"pallas": [pallas_scores], "xla": [xla_scores], REFERENCE: [reference]})
+
+    noise = verdicts(noisy_scores, noisy)
+    assert noise["log_prob_verdicts"] == {"prefill": True, "decode": True}
+    assert noise["log_prob_errors"]["pallas"]["decode"]["positions"] == 2  # the run's tokens on the sequence
+    assert verdicts(wrong_scores, wrong)["log_prob_verdicts"] == {"prefill": False, "decode": False}
+
+
+def test_random_checkpoints_tokenizer_spells_every_id_the_model_can_sample(tmp_path):
+    for source in BUILTIN_MODEL_DIR.iterdir():
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    builtin = load_tokenizer(BUILTIN_MODEL_DIR)
+    vocab_size = builtin.vocab_size + 300
+    cover_vocabulary(tmp_path / "tokenizer.json", vocab_size)
+    widened = load_tokenizer(tmp_path)
+
+    assert widened.vocab_size == vocab_size
+    assert [widened.decode([i]) for i in range(builtin.vocab_size)] == [builtin.decode([i])
+                                                                        for i in range(builtin.vocab_size)]
+    assert [widened.decode([i]) for i in range(builtin.vocab_size, vocab_size)] == [
+        f"[{i}]" for i in range(builtin.vocab_size, vocab_size)]
+    text = "The capital of France is Paris. 1234 [12]"
+    assert widened.encode(text) == builtin.encode(text)
 
 
 def test_every_kernel_check_case_of_the_gpu_run_lowers_for_an_h100():
@@ -98,6 +152,8 @@ def assert_figures_of_every_part(parts: dict) -> None:
     assert all(row["pallas_fraction"] > 0 for row in figures["kernel_timing"]["points"])
     assert [r["cache"] for r in figures["startup"]["report"]["results"]] == ["cold", "warm"]
     assert figures["engine_parity"]["identical"] and figures["engine_parity"]["first_divergence"] is None
+    assert figures["engine_parity"]["log_prob_verdicts"] == {"prefill": True, "decode": True}
+    assert all(row["host_phase_ms"]["dispatch"] > 0 for row in figures["engine_speed"]["rows"])
     assert {(row["batch"], row["backend"]) for row in figures["engine_speed"]["rows"]} == {
         (batch, backend) for batch in (1, 2) for backend in ("pallas", "xla")}
     assert {(row["batch"], row["backend"]) for row in figures["quantized_engine"]["rows"]} == {

@@ -44,9 +44,10 @@ CHECKPOINTS = {
     "fp8-block": ("fp8", dict(block=(32, 32)), "fp8 (transformers fp8, 32x32 block scales)"),
 }
 # float32 logits: transformers against jaxserve (the same weights, two implementations), and jaxserve's quantized
-# model against its unquantized one on the dequantized weights (the same computation, the matmul order aside).
+# model against its unquantized one on the dequantized weights (the same computation, the matmul order aside: a
+# per-channel scale applied after the dot rounds differently, up to 6.3e-5 seen on one x86 CPU).
 ORACLE_TOLERANCE = 1e-4
-REFERENCE_TOLERANCE = 5e-5
+REFERENCE_TOLERANCE = 1e-4
 # Small step buckets keep each engine's start-up compiles short.
 ENGINE = dict(tokenizer=str(BUILTIN_MODEL_DIR), dtype="float32", max_model_len=64, max_num_seqs=2,
               max_num_batched_tokens=16, block_size=8, num_kv_pages=24, use_tqdm_on_load=False)

@@ -81,21 +81,22 @@ PARTS = [
          dict(args=["--model", "builtin", "--layers", "2", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
                     "--max-model-len", "64", "--dtype", "float32"]),
          "engine start-up at the 8B preset's shapes, cold and warm compilation cache", plot="startup.png"),
-    Part("engine_parity", 2, 150, 180, "gpu_parts.engine_parity:run",
+    Part("engine_parity", 2, 200, 180, "gpu_parts.engine_parity:run",
          dict(engine_args=ENGINE_GPU_ARGS, prompts=32, new_tokens=64, min_prompt_len=16),
          dict(engine_args=ENGINE_SMOKE_ARGS, prompts=6, new_tokens=12, min_prompt_len=4),
-         "greedy tokens of the 8B-shaped engine, attention pallas vs xla: identical, or the first divergence"),
-    Part("engine_speed", 2, 140, 180, "gpu_parts.engine_speed:run",
-         dict(args=["--engine", "--skip-kernels", *ENGINE_GPU_ARGS, "--engine-rounds", "2"]),
+         "the 8B-shaped engine, attention pallas vs xla: log-probabilities of the same tokens against a float32 "
+         "engine, and greedy tokens identical or the first divergence"),
+    Part("engine_speed", 2, 150, 180, "gpu_parts.engine_speed:run",
+         dict(args=["--engine", "--skip-kernels", *ENGINE_GPU_ARGS, "--engine-rounds", "2", "--engine-variants",
+                    "pallas", "xla", "pallas-graphed-loop"]),
          dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS]),
-         "batch-1 decode against the HBM roofline, throughput at 64 and 256 sequences, pallas vs xla",
+         "batch-1 decode against the HBM roofline, throughput at 64 and 256 sequences, pallas vs xla vs pallas with "
+         "the layer loop in one CUDA graph; host time per step phase",
          plot="engine.png"),
-    Part("serve", 2, 190, 180, "gpu_parts.serving:run",
-         dict(model="llama-3.1-8b", dtype="bfloat16", config="configs/llama-3.1-8b-h100.yaml", concurrency=[16, 64],
-              seconds_per_level=30, input_len=512, output_len=128, max_prompts=4000),
-         dict(model="builtin", dtype="float32", config="configs/tiny-cpu.yaml", concurrency=[2, 4],
-              seconds_per_level=2, input_len=16, output_len=8, max_prompts=200),
-         "jaxserve serve over HTTP for 60 s (concurrency 16, then 64): TTFT and TPOT p50/p95", plot="serve.png"),
+    Part("speculative", 2, 130, 180, "gpu_parts.speculative:run",
+         dict(args=SPECULATIVE_GPU_ARGS), dict(args=["--smoke"]),
+         "speculative decoding vs none, 8B-shaped engine at batch 1 and 16: n-gram drafts, and replayed drafts at "
+         "acceptance 0-1 (steps per token, verify-step cost, wall speed-up)", plot="speculative.png"),
 ]
 PARTS += [
     Part("quantized_engine", 3, 300, 240, "gpu_parts.engine_speed:run",
@@ -107,9 +108,11 @@ PARTS += [
                     "pallas-fp8-kv-fp8"]),
          "decode with int8 / fp8 weights and an fp8 KV cache against bf16, batch 1 and 64, in one run",
          plot="quantized_engine.png"),
-    Part("speculative", 3, 180, 180, "gpu_parts.speculative:run",
-         dict(args=SPECULATIVE_GPU_ARGS), dict(args=["--smoke"]),
-         "speculative decoding vs none, 8B-shaped engine at batch 1 and 16: n-gram drafts, and replayed drafts at "
-         "acceptance 0-1 (steps per token, verify-step cost, wall speed-up)", plot="speculative.png"),
+    Part("serve", 3, 190, 180, "gpu_parts.serving:run",
+         dict(model="llama-3.1-8b", dtype="bfloat16", config="configs/llama-3.1-8b-h100.yaml", concurrency=[16, 64],
+              seconds_per_level=30, input_len=512, output_len=128, max_prompts=4000),
+         dict(model="builtin", dtype="float32", config="configs/tiny-cpu.yaml", concurrency=[2, 4],
+              seconds_per_level=2, input_len=16, output_len=8, max_prompts=200),
+         "jaxserve serve over HTTP for 60 s (concurrency 16, then 64): TTFT and TPOT p50/p95", plot="serve.png"),
 ]
 PARTS_BY_NAME = {part.name: part for part in PARTS}

@@ -11,6 +11,8 @@ from typing import Any
 
 from gpu_parts.context import PartContext, PartOutcome, markdown_table, run_benchmark_script
 
+HOST_PHASES = ("schedule", "dispatch", "wait", "outputs")  # StepPhaseTimes' phases, as the table orders them
+
 
 def run(context: PartContext, args: list[str]) -> PartOutcome:
     report = run_benchmark_script("kernels.py", args, context.work_dir / "engine.json")
@@ -58,9 +60,14 @@ def summary(figures: dict[str, Any], engine: dict[str, Any]) -> str:
         lines += [f"- batch {batch}: {other} / {first} tokens/s {row[f'{other}_vs_{first}']:.2f}x"
                   for other in others if f"{other}_vs_{first}" in row and other != "xla"]
     rows = [[r["batch"], r["backend"], f"{r['step_s'] * 1e3:.2f}", f"{r['tokens_per_s']:.1f}",
-             f"{r['roofline_step_s'] * 1e3:.2f}", f"{r['fraction_of_roofline']:.0%}"] for r in figures["rows"]]
+             f"{r['roofline_step_s'] * 1e3:.2f}", f"{r['fraction_of_roofline']:.0%}",
+             " / ".join(f"{r['host_phase_ms'][phase]:.2f}" for phase in HOST_PHASES)] for r in figures["rows"]]
     return "\n".join(lines) + "\n\n" + markdown_table(
-        ["batch", "engine", "ms/step", "tok/s", "roofline ms (weights + KV)", "of roofline"], rows)
+        ["batch", "engine", "ms/step", "tok/s", "roofline ms (weights + KV)", "of roofline",
+         "host ms/step: " + " / ".join(HOST_PHASES)], rows) + (
+        "\n\nHost phases (jaxserve.engine.step_phases): the host's own work (schedule, dispatch, outputs) and the "
+        "wait for a step's samples, which is the device time that work did not hide; with async overlap a step "
+        "whose wait is near zero is host-bound.")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -66,11 +66,27 @@ def ensure_checkpoint(folder: Path, model: str, dtype: str) -> float | None:
 
 def write_checkpoint(folder: Path, model: str, dtype: str) -> None:
     """Runs in the writer's process: random weights of the model's shapes at a trained model's scale, and the
-    built-in tokenizer (prompts are token ids; ids beyond its vocabulary decode to nothing)."""
-    save_random_llama(folder, model_config(model), dtype=dtype, init_std=ENGINE_INIT_STD, max_shard_bytes=SHARD_BYTES)
+    built-in tokenizer widened to the model's vocabulary (prompts are token ids)."""
+    config = model_config(model)
+    save_random_llama(folder, config, dtype=dtype, init_std=ENGINE_INIT_STD, max_shard_bytes=SHARD_BYTES)
     for source in BUILTIN_MODEL_DIR.iterdir():
         if source.name != "config.json":
             shutil.copy(source, folder / source.name)
+    cover_vocabulary(folder / "tokenizer.json", config["vocab_size"])
+
+
+def cover_vocabulary(tokenizer_file: Path, vocab_size: int) -> None:
+    """Spells every id below `vocab_size` that the tokenizer lacks as a plain added token, `[id]`.
+
+    A random model samples its whole vocabulary (128,256 ids for Llama 3) and the built-in tokenizer knows 512:
+    the ids past it decode to no text, so a stream would carry no output chunk to time. Added tokens, as Llama 3's
+    own tokenizer.json keeps its specials past the BPE vocabulary, leave the encoding of ordinary text unchanged."""
+    spec = json.loads(tokenizer_file.read_text())
+    known = {token["id"] for token in spec["added_tokens"]} | set(spec["model"]["vocab"].values())
+    spec["added_tokens"] += [{"id": token_id, "content": f"[{token_id}]", "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": False}
+                             for token_id in range(vocab_size) if token_id not in known]
+    tokenizer_file.write_text(json.dumps(spec))
 
 
 def level_figures(scenario: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,13 @@ engine processes (without and with speculation), n-gram drafts on a repetitive w
 quality (acceptance 0 to 1), at batch 1 and a larger batch: target steps per token, the cost of a verifying step
 against a decode step, and the wall speed-up over no speculation, measured in one run. On a memory-bound GPU the
 verifying step should cost about a decode step, so the speed-up should follow the saved steps; on a CPU it does not.
+
+Greedy outputs with drafts must equal those without wherever a near tie cannot flip: on the CPU smoke run. On the
+8B-shaped random bf16 model they cannot be required: its next-token distribution is close to uniform, its top-two
+gaps are a few hundredths, and a verifying step (several query tokens per sequence) rounds differently from a
+decode step, which flips such ties within a few tokens (measured on an H200; the engine_parity part shows the
+same between attention backends). There the check is the verifying program run without drafts, which must
+reproduce the plain engine's tokens exactly, and no compiles after warm-up.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from typing import Any
 
 from gpu_parts.context import PartContext, PartOutcome, markdown_table, run_benchmark_script
 
+NO_DRAFTS = "no-drafts"  # benchmarks/speculative.py's mode: the verifying program with no draft in any step
+
 
 def run(context: PartContext, args: list[str]) -> PartOutcome:
     plot_args = ["--plot", str(context.plot)] if context.plot is not None else []
@@ -18,7 +27,9 @@ def run(context: PartContext, args: list[str]) -> PartOutcome:
     rows = speedup_rows(report)
     figures = {"rows": rows, "outputs_identical": report["outputs_identical"],
                "compiles_after_warmup": report["compiles_after_warmup"], "report": report}
-    passed = report["outputs_identical"] and not any(report["compiles_after_warmup"].values())
+    identical = report["outputs_identical"] if context.smoke else all(
+        row["outputs_identical"] for row in rows if row["mode"] == NO_DRAFTS)
+    passed = identical and not any(report["compiles_after_warmup"].values())
     return PartOutcome(figures, summary(figures, report), passed)
 
 

@@ -4,8 +4,8 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
 
     group 1  env            device, driver and CUDA (nvidia-smi), jax/jaxlib and package versions; imports every
                             module the other parts need, so a missing wheel shows up first
-             ceilings       HBM copy bandwidth, bf16 matmul rate, fp8 matmul rate (and whether XLA made it a cuBLASLt
-                            FP8 GEMM), dispatch floor
+             ceilings       HBM copy bandwidth, bf16 matmul rate, fp8 matmul rate as XLA compiles it and with its Triton
+                            GEMM fusion off (and whether each is a cuBLASLt FP8 GEMM), dispatch floor
              kernel_check   every Pallas kernel compiled by Triton and checked against the float32 XLA reference on
                             random ragged batches: decode, prefill, mixed x GQA 1/4/8 x head_dim 64/128, 16-token pages
              kernel_timing  benchmarks/kernels.py at decode 64 seqs x 2k context (Llama-3.1-8B's 32/8 heads, and GQA 8)

@@ -142,8 +142,9 @@ def run_gpu_check(out: Path, work: Path, *flags: str) -> subprocess.CompletedPro
 def assert_figures_of_every_part(parts: dict) -> None:
     figures = {name: entry["outcome"]["figures"] for name, entry in parts.items()}
     assert figures["env"]["machine"]["jax_backend"] == "cpu" and figures["env"]["packages"]["jax"]
-    for ceiling in ("matmul_bf16", "matmul_fp8"):
+    for ceiling in ("matmul_bf16", "matmul_fp8", "matmul_fp8_cublas"):
         assert figures["ceilings"][ceiling]["flops_per_s"] > 0
+    assert figures["ceilings"]["matmul_fp8_cublas"]["compiler_options"] == {"xla_gpu_enable_triton_gemm": False}
     assert figures["ceilings"]["copy"]["bytes_per_s"] > 0
     cases = figures["kernel_check"]["cases"]
     assert figures["kernel_check"]["interpret"] and {case["kind"] for case in cases} == {"decode", "prefill", "mixed"}

@@ -15,8 +15,13 @@ from kernels import (describe, measure_copy_bandwidth, measure_dispatch_floor, m
 
 FP8_DTYPE = "float8_e4m3fn"
 FP8_MIN_COMPUTE_CAPABILITY = 8.9  # Ada and Hopper: the first with fp8 tensor cores
-# What the compiled program calls when XLA rewrote the pattern below into one cuBLASLt FP8 GEMM.
+# What the compiled program calls when XLA rewrote the pattern below into one cuBLASLt FP8 GEMM, or made the dot a
+# Triton GEMM fusion.
 CUBLASLT_FP8_TARGET = "__cublas$lt$matmul$f8"
+TRITON_GEMM_TARGET = "__triton_gemm"
+# XLA:GPU's Triton GEMM fusion claims a dot with converts and scales around it before the cuBLAS rewriter sees it
+# (on an H200 the default build of the pattern below was no FP8 GEMM); this program option leaves it to cuBLASLt.
+CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
 
 
 def run(context: PartContext, copy_mib: int, matmul_size: int, reps: int, warmup: int) -> PartOutcome:
@@ -24,11 +29,12 @@ def run(context: PartContext, copy_mib: int, matmul_size: int, reps: int, warmup
         "copy": lambda: measure_copy_bandwidth(copy_mib * 2**20, "bfloat16", reps, warmup),
         "matmul_bf16": lambda: measure_matmul_rate(matmul_size, "bfloat16", reps, warmup),
         "matmul_fp8": lambda: measure_fp8_matmul_rate(matmul_size, reps, warmup),
+        "matmul_fp8_cublas": lambda: measure_fp8_matmul_rate(matmul_size, reps, warmup, CUBLAS_ONLY),
         "dispatch": lambda: measure_dispatch_floor("bfloat16", reps, warmup),
     }
     figures: dict[str, Any] = {}
     for name, measure in measures.items():
-        skipped = fp8_unsupported() if name == "matmul_fp8" else None
+        skipped = fp8_unsupported() if name.startswith("matmul_fp8") else None
         try:
             figures[name] = {"skipped": skipped} if skipped else measure()
         except Exception as error:  # one failed ceiling leaves the others measured
@@ -53,18 +59,20 @@ def fp8_matmul(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Arra
     return jnp.dot(a_wide, b_wide, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
-def measure_fp8_matmul_rate(size: int, reps: int, warmup: int, seed: int = 0) -> dict[str, Any]:
-    """FLOP/s of an n x n x n fp8 matmul, and whether the compiled program is the cuBLASLt FP8 GEMM (if not, the
-    figure is a bf16 matmul's, and says nothing of fp8)."""
+def measure_fp8_matmul_rate(size: int, reps: int, warmup: int, compiler_options: dict[str, Any] | None = None,
+                            seed: int = 0) -> dict[str, Any]:
+    """FLOP/s of an n x n x n fp8 matmul compiled with these XLA options, and whether the program is the cuBLASLt
+    FP8 GEMM (if not, the figure says nothing of fp8 tensor cores) or a Triton GEMM fusion."""
     a = random_normal(jax.random.key(seed), (size, size), "bfloat16").astype(FP8_DTYPE)  # f8[n, n]
     b = random_normal(jax.random.key(seed + 1), (size, size), "bfloat16").astype(FP8_DTYPE)  # f8[n, n]
     scales = (jnp.float32(1.0), jnp.float32(1.0))
-    compiled = jax.jit(fp8_matmul).lower(a, b, *scales).compile()
+    compiled = jax.jit(fp8_matmul).lower(a, b, *scales).compile(compiler_options=compiler_options)
     times = timed_reps(compiled, [(a, b, *scales)], reps, warmup)
     flops = 2 * size**3
     return {"size": size, "flops": flops, "median_s": statistics.median(times), "times_s": times,
             "flops_per_s": flops / statistics.median(times),
-            "cublaslt_fp8_gemm": CUBLASLT_FP8_TARGET in compiled.as_text()}
+            "compiler_options": compiler_options or {}, "cublaslt_fp8_gemm": CUBLASLT_FP8_TARGET in compiled.as_text(),
+            "triton_gemm": TRITON_GEMM_TARGET in compiled.as_text()}
 
 
 def figure(entry: dict[str, Any], key: str, scale: float, unit: str) -> str:
@@ -74,12 +82,18 @@ def figure(entry: dict[str, Any], key: str, scale: float, unit: str) -> str:
 
 
 def summary(figures: dict[str, Any]) -> str:
-    fp8 = figures["matmul_fp8"]
-    fp8_note = "" if "flops_per_s" not in fp8 else (
-        " (cuBLASLt FP8 GEMM)" if fp8["cublaslt_fp8_gemm"] else " (**not** an FP8 GEMM: XLA widened it to bf16)")
     return "\n".join([
         f"- HBM copy bandwidth (read + written): {figure(figures['copy'], 'bytes_per_s', 1e9, 'GB/s')}",
         f"- bf16 matmul: {figure(figures['matmul_bf16'], 'flops_per_s', 1e12, 'TFLOP/s')}",
-        f"- fp8 (e4m3) matmul: {figure(fp8, 'flops_per_s', 1e12, 'TFLOP/s')}{fp8_note}",
+        f"- fp8 (e4m3) matmul: {fp8_line(figures['matmul_fp8'])}",
+        f"- fp8 (e4m3) matmul, Triton GEMM fusion off: {fp8_line(figures['matmul_fp8_cublas'])}",
         f"- dispatch floor per call: {figure(figures['dispatch'], 'median_s', 1e-6, 'us')}",
     ])
+
+
+def fp8_line(entry: dict[str, Any]) -> str:
+    if "flops_per_s" not in entry:
+        return figure(entry, "flops_per_s", 1e12, "TFLOP/s")
+    program = ("cuBLASLt FP8 GEMM" if entry["cublaslt_fp8_gemm"] else
+               "**not** an FP8 GEMM: a Triton GEMM fusion" if entry["triton_gemm"] else "**not** an FP8 GEMM")
+    return f"{figure(entry, 'flops_per_s', 1e12, 'TFLOP/s')} ({program})"

@@ -241,7 +241,12 @@ def test_a_flood_of_messages_is_refused_before_validation(server):
     assert f"messages holds {count} items" in answer.json()["error"]["message"]
 
 
-def test_health_answers_within_100_ms_while_maximal_bodies_are_processed(server):
+# The stall this guards against lasted 5 s; parsing a maximal body legitimately holds the interpreter ~80 ms on a
+# 2-core CPU, and a loaded CI machine adds its own pauses (130 ms seen once), so the bound sits well between.
+HEALTH_LATENCY_BOUND_S = 0.5
+
+
+def test_health_answers_within_half_a_second_while_maximal_bodies_are_processed(server):
     def send(path: str, body: bytes) -> httpx.Response:
         return httpx.post(server.base_url + path, content=body, headers={"Content-Type": "application/json"},
                           timeout=CLIENT_TIMEOUT_S)
@@ -258,7 +263,7 @@ def test_health_answers_within_100_ms_while_maximal_bodies_are_processed(server)
         answers = [future.result() for future in sent]
     assert [answer.status_code for answer in answers] == [400, 400]
     assert [answer.json()["error"]["param"] for answer in answers] == ["prompt", "prompt"]
-    assert len(latencies) >= 3 and max(latencies) < 0.1, latencies
+    assert len(latencies) >= 3 and max(latencies) < HEALTH_LATENCY_BOUND_S, latencies
 
 
 # --- admission, disconnects, drain --------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ Then `--cycles` cycles are timed phase by phase, each phase being what the engin
 
     schedule   Scheduler.schedule(): one decode token (and its SamplingRow) per running request
     prepare    ModelRunner.prepare(schedule): bucket choice and padded numpy inputs (block tables, slots, ...)
-    transfer   jax.device_put of those inputs, as the runner does before launching the step (the call's cost to the
-               host; on a GPU the copies themselves are asynchronous)
+    transfer   ModelRunner.transfer: those inputs packed into one buffer and put on the device, as the runner does
+               before launching the step (the call's cost to the host; on a GPU the copy itself is asynchronous)
     update     Scheduler.update_from_output() with a fake sampled token per sequence
     outputs    Sequence.append per sampled token: stop checks and incremental detokenization
 
@@ -46,7 +46,6 @@ import time
 import zlib
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from jaxserve.checkpoint import LoadedModel, load_model
@@ -162,9 +161,9 @@ def timed_cycle(bench: HostBench, times: dict[str, list[float]]) -> None:
     t0 = clock()
     schedule = bench.scheduler.schedule()
     t1 = clock()
-    _, host_arrays = bench.runner.prepare(schedule)
+    bucket, host_arrays = bench.runner.prepare(schedule)
     t2 = clock()
-    jax.device_put(host_arrays)
+    bench.runner.transfer(bucket, host_arrays)
     t3 = clock()
     sampled = fake_samples(bench, schedule)
     t4 = clock()

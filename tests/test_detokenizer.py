@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxserve.tokenizer import ByteStreamDetokenizer, IncrementalDetokenizer, load_tokenizer, streaming_detokenizer
 from jaxserve.tokenizer.detokenizer import MAX_HELD_TOKENS, MAX_WINDOW_TOKENS
 from tests.tokenizer_fixtures import BUILTIN_DIR, gpt2_byte_to_char, make_llama2_folder
 
@@ -46,9 +46,9 @@ def token_streams(tokenizer, backend: str) -> st.SearchStrategy[list[int]]:
     return st.lists(chunk, max_size=12).map(lambda chunks: [i for c in chunks for i in c])
 
 
-def stream(tokenizer, ids, prompt_ids=(), skip_special_tokens=True) -> list[str]:
+def stream(tokenizer, ids, prompt_ids=(), skip_special_tokens=True, kind=IncrementalDetokenizer) -> list[str]:
     """Push `ids` one by one, then flush; checks on the way that the returned text is always final."""
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+    detokenizer = kind(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
     final = expected_text(tokenizer, ids, prompt_ids, skip_special_tokens)
     pieces = []
     for token_id in ids:
@@ -67,32 +67,52 @@ def expected_text(tokenizer, ids, prompt_ids, skip_special_tokens) -> str:
     return full_text[len(prompt_text):]
 
 
-@pytest.mark.parametrize("backend", ["builtin", "llama2"])
+# The byte stream applies to byte-level tokenizers only (the builtin one); the window decoder to every tokenizer.
+DETOKENIZERS = [("builtin", IncrementalDetokenizer), ("llama2", IncrementalDetokenizer),
+                ("builtin", ByteStreamDetokenizer)]
+
+
+@pytest.mark.parametrize(("backend", "kind"), DETOKENIZERS)
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_pieces_add_up_to_the_full_decode(request, backend, skip_special_tokens):
+def test_pieces_add_up_to_the_full_decode(request, backend, kind, skip_special_tokens):
     tokenizer = request.getfixturevalue(backend)
 
     @PROPERTY_SETTINGS
     @given(ids=token_streams(tokenizer, backend))
     def check(ids):
-        pieces = stream(tokenizer, ids, skip_special_tokens=skip_special_tokens)
+        pieces = stream(tokenizer, ids, skip_special_tokens=skip_special_tokens, kind=kind)
         assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     check()
 
 
-@pytest.mark.parametrize("backend", ["builtin", "llama2"])
-def test_pieces_after_a_prompt_add_up(request, backend):
+@pytest.mark.parametrize(("backend", "kind"), DETOKENIZERS)
+def test_pieces_after_a_prompt_add_up(request, backend, kind):
     tokenizer = request.getfixturevalue(backend)
     prompt = st.text(min_size=1, max_size=30).map(tokenizer.encode)
 
     @PROPERTY_SETTINGS
     @given(prompt_ids=prompt, ids=token_streams(tokenizer, backend))
     def check(prompt_ids, ids):
-        pieces = stream(tokenizer, ids, prompt_ids)
+        pieces = stream(tokenizer, ids, prompt_ids, kind=kind)
         assert "".join(pieces) == expected_text(tokenizer, ids, prompt_ids, True)
 
     check()
+
+
+def test_a_character_split_between_prompt_and_output_is_completed_not_replaced(builtin):
+    table = gpt2_byte_to_char()
+    lead, *rest = [builtin.token_to_id(table[b]) for b in "日".encode()]
+    prompt_ids = [*builtin.encode("a", add_special_tokens=False), lead]
+    assert builtin.decode([*prompt_ids, *rest]) == "a日"
+    detokenizer = ByteStreamDetokenizer(builtin, prompt_ids)
+    assert [detokenizer.push(i) for i in rest] + [detokenizer.flush()] == ["", "日", ""]
+
+
+def test_the_byte_stream_serves_only_tokenizers_that_decode_by_bytes(builtin, llama2):
+    assert builtin.streams_token_bytes and not llama2.streams_token_bytes
+    assert isinstance(streaming_detokenizer(builtin), ByteStreamDetokenizer)
+    assert isinstance(streaming_detokenizer(llama2), IncrementalDetokenizer)
 
 
 def test_first_generated_token_keeps_its_space_after_a_prompt(llama2):
@@ -128,6 +148,8 @@ class BytesTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
 
+    decode_valid = decode
+
 
 def test_text_sharing_a_token_with_a_split_character_is_not_held():
     tokenizer = BytesTokenizer([b"ab\xe6", b"\x97", b"\xa5c"])
@@ -155,7 +177,7 @@ def test_work_per_token_is_bounded(builtin):
         vocab_size = builtin.vocab_size
         all_special_ids = builtin.all_special_ids
 
-        def decode(self, ids, skip_special_tokens=True):
+        def decode_valid(self, ids, skip_special_tokens=True):
             calls.append(len(ids))
             return builtin.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -6,7 +6,7 @@ from jaxserve.engine.logprobs import SampledToken, candidate_logprobs
 from jaxserve.engine.stop_strings import StopStringMatcher
 from jaxserve.outputs import CompletionOutput, Logprob
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.tokenizer import Tokenizer, streaming_detokenizer
 
 
 class Sequence:
@@ -25,7 +25,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self._tokenizer = tokenizer
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._detokenizer = streaming_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self._stop_strings = StopStringMatcher(params.stop, params.include_stop_str_in_output)
 
     @property

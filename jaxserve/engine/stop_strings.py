@@ -17,6 +17,8 @@ class StopStringMatcher:
 
     def feed(self, delta: str) -> tuple[str, str | None]:
         """Returns (text now safe to emit, matched stop string or None). After a match, feed no more."""
+        if not self._stops:
+            return delta, None
         buffer = self._held + delta
         match = _earliest_match(buffer, self._stops)
         if match is not None:

@@ -322,11 +322,16 @@ class ModelRunner:
     def _run_program(self, bucket: StepBucket, host_arrays: StepArrays) -> StepResult:
         """Launches the bucket's program on the pool; the same call on every process of a lockstep group."""
         with jax.profiler.TraceAnnotation("step"):
-            packed = self._to_devices(self._layout(bucket).pack(host_arrays))
+            packed = self.transfer(bucket, host_arrays)
             result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, packed)
         self.bucket_counts[bucket] += 1
         self._last_tokens = result.last_tokens
         return result
+
+    def transfer(self, bucket: StepBucket, host_arrays: StepArrays) -> jax.Array:
+        """The step's inputs packed into one buffer (i32[size]) and put on the devices: the host's last share of a
+        step before its program runs."""
+        return self._to_devices(self._layout(bucket).pack(host_arrays))
 
     def _to_devices(self, packed: np.ndarray) -> jax.Array:
         """The step's inputs (i32[size], PackedLayout), replicated over the mesh in one transfer.

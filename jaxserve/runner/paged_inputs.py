@@ -38,10 +38,12 @@ def build_metadata(chunks: Sequence[ScheduledSequence], *, num_tokens: int, num_
     the chunks' block tables already laid out (runner/input_rows.py keeps them between steps).
     """
     layout = ChunkLayout.of(chunks)
-    _check_fits(layout, chunks, num_tokens, num_seqs, max_pages, page_size)
+    held = np.fromiter((len(c.page_ids) for c in chunks), np.int32, len(chunks))  # i32[n]
+    _check_fits(layout, held, num_tokens, num_seqs, max_pages, page_size)
     n, total = len(chunks), layout.num_tokens
     if block_tables is None:
         block_tables = _block_tables(chunks, num_seqs, max_pages)
+    _check_no_null_page(block_tables[:n], held)
     positions = np.zeros(num_tokens, np.int32)
     positions[:total] = layout.positions
     slot_mapping = np.full(num_tokens, PADDING_SLOT, np.int32)
@@ -100,18 +102,23 @@ class ChunkLayout:
         return self.first_token + self.counts - 1
 
 
-def _check_fits(layout: ChunkLayout, chunks: Sequence[ScheduledSequence], num_tokens: int, num_seqs: int,
-                max_pages: int, page_size: int) -> None:
-    total = layout.num_tokens
-    if total > num_tokens or len(chunks) > num_seqs:
-        raise ValueError(f"{len(chunks)} sequences with {total} tokens do not fit buckets of "
+def _check_fits(layout: ChunkLayout, held: np.ndarray, num_tokens: int, num_seqs: int, max_pages: int,
+                page_size: int) -> None:
+    """`held` (i32[n]): pages each chunk's sequence holds."""
+    total, n = layout.num_tokens, len(held)
+    if total > num_tokens or n > num_seqs:
+        raise ValueError(f"{n} sequences with {total} tokens do not fit buckets of "
                          f"{num_seqs} sequences and {num_tokens} tokens")
     needed = -(-(layout.starts + layout.counts) // page_size)  # i32[n]
-    held = np.fromiter((len(c.page_ids) for c in chunks), np.int32, len(chunks))
     bad = np.flatnonzero((held < needed) | (held > max_pages))
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"a sequence of {int(layout.starts[i] + layout.counts[i])} tokens needs {int(needed[i])} "
                          f"pages; it has {int(held[i])} and a block table holds {max_pages}")
-    if any(NULL_PAGE in c.page_ids for c in chunks):
+
+
+def _check_no_null_page(block_tables: np.ndarray, held: np.ndarray) -> None:
+    """`block_tables` (i32[n, max_pages]) of the n chunks, each with `held` (i32[n]) pages written."""
+    written = np.arange(block_tables.shape[1]) < held[:, None]  # bool[n, max_pages]
+    if (block_tables[written] == NULL_PAGE).any():
         raise ValueError("page 0 is the null page and cannot belong to a sequence")

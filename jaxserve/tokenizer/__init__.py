@@ -5,6 +5,7 @@ family), sentencepiece for a `tokenizer.model` (Llama 2 family).
 """
 
 from jaxserve.tokenizer.base import SpecialTokens, Tokenizer
+from jaxserve.tokenizer.byte_stream import ByteStreamDetokenizer, streaming_detokenizer
 from jaxserve.tokenizer.chat_template import ChatTemplate, flatten_text_content
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
 from jaxserve.tokenizer.hf_tokenizer import HuggingFaceTokenizer
@@ -12,6 +13,7 @@ from jaxserve.tokenizer.loader import load_tokenizer
 from jaxserve.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 
 __all__ = [
+    "ByteStreamDetokenizer",
     "ChatTemplate",
     "HuggingFaceTokenizer",
     "IncrementalDetokenizer",
@@ -20,4 +22,5 @@ __all__ = [
     "Tokenizer",
     "flatten_text_content",
     "load_tokenizer",
+    "streaming_detokenizer",
 ]

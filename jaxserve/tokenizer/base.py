@@ -49,6 +49,12 @@ class Tokenizer(abc.ABC):
         """Ids that `decode(..., skip_special_tokens=True)` leaves out."""
         return self._special_ids
 
+    @property
+    def streams_token_bytes(self) -> bool:
+        """Whether `decode(ids)` is exactly the ids' `token_bytes` joined and decoded as UTF-8 (invalid bytes
+        replaced): then text streams by bytes (tokenizer/byte_stream.py) with nothing decoded twice."""
+        return False
+
     @functools.cached_property
     def longest_token_bytes(self) -> int:
         """The most UTF-8 bytes of any vocabulary spelling: no token covers more input than its spelling's bytes
@@ -61,9 +67,14 @@ class Tokenizer(abc.ABC):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the model's BOS (and EOS, if configured) are added."""
 
-    @abc.abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids outside the vocabulary produce no text, as in HF `tokenizers`."""
+        return self.decode_valid(self._ids_in_vocabulary(ids), skip_special_tokens)
+
+    @abc.abstractmethod
+    def decode_valid(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`, Python ints already known to lie in the vocabulary: `decode` without the check, for the
+        streaming detokenizer, which decodes every generated token's window and filters ids once per token."""
 
     @abc.abstractmethod
     def token_bytes(self, token_id: int) -> bytes:

@@ -42,7 +42,7 @@ class IncrementalDetokenizer:
         self._returned_chars = 0  # characters past the context's text that were already returned
         self._pending_tokens = 0  # tokens at the window's end whose text is not all returned yet
         self._pieces: list[str] = []
-        self._start_context([i for i in prompt_ids if self._produces_text(i)])
+        self._start_context([int(i) for i in prompt_ids if self._produces_text(i)])
 
     @property
     def text(self) -> str:
@@ -76,7 +76,7 @@ class IncrementalDetokenizer:
         return token_id not in self._silent_ids and 0 <= token_id < self._tokenizer.vocab_size
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode_valid(ids, self._skip_special_tokens)  # _produces_text kept them in range
 
     def _release(self, final_text: str) -> str:
         """Return the part of the window's `final_text` beyond the context and beyond what was returned before."""

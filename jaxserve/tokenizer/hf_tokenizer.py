@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
@@ -36,18 +35,30 @@ class HuggingFaceTokenizer(Tokenizer):
         super().__init__(special, self._post_processor_adds(special.bos_token_id), chat_template)
         self._added_ids = frozenset(self._backend.get_added_tokens_decoder())  # spelled as their text
         self._byte_level = _decodes_byte_level(self._backend)
+        self._streams_bytes = _decodes_by_bytes_alone(self._backend)
+        self._bytes_of: dict[int, bytes] = {}  # token_bytes, computed once per id (streaming reads it per token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; added-token spellings in `text` (e.g. "<|eot_id|>") become those tokens."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode_valid(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`, without transformers' `clean_up_tokenization_spaces` (transformers 5 skips it for BPE)."""
-        return self._backend.decode(self._ids_in_vocabulary(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def streams_token_bytes(self) -> bool:
+        return self._streams_bytes
 
     def token_bytes(self, token_id: int) -> bytes:
         """From the spelling: byte-level vocabularies map each character to a byte, the others (sentencepiece
         converted) spell a space as "▁" and a lone byte as "<0xNN>"."""
+        known = self._bytes_of.get(token_id)
+        if known is None:
+            known = self._bytes_of[token_id] = self._spelled_bytes(token_id)
+        return known
+
+    def _spelled_bytes(self, token_id: int) -> bytes:
         spelling = self.id_to_token(token_id)
         if spelling is None:
             return b""
@@ -85,6 +96,16 @@ def _decodes_byte_level(backend: tokenizers.Tokenizer) -> bool:
     decoder = json.loads(backend.to_str()).get("decoder") or {}
     parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
     return any(part.get("type") == "ByteLevel" for part in parts)
+
+
+def _decodes_by_bytes_alone(backend: tokenizers.Tokenizer) -> bool:
+    """Whether decoding is the tokens' bytes joined: a BPE model whose only decoder is ByteLevel, with added tokens
+    in ASCII (ByteLevel maps each printable ASCII character to itself and passes a token holding any character
+    outside its alphabet through as UTF-8, so such a token's bytes are its text)."""
+    config = json.loads(backend.to_str())
+    decoder = config.get("decoder") or {}
+    return (config.get("model", {}).get("type") == "BPE" and decoder.get("type") == "ByteLevel"
+            and all(token["content"].isascii() for token in config.get("added_tokens") or ()))
 
 
 def _load_backend(tokenizer_file: Path) -> tokenizers.Tokenizer:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from pathlib import Path
 
 import sentencepiece
@@ -42,9 +41,8 @@ class SentencePieceTokenizer(Tokenizer):
         bos = [self.bos_token_id] if self.add_bos_token else []
         return bos + ids + list(self._eos_to_append)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode_valid(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; kept special tokens appear as their piece spelling."""
-        ids = self._ids_in_vocabulary(ids)
         if skip_special_tokens:
             return self._processor.decode([i for i in ids if i not in self._special_ids])
         return self._decode_with_special_pieces(ids)

@@ -7,11 +7,12 @@ Offline use mirrors vLLM::
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 """
 
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name: str):

@@ -95,6 +95,14 @@ class EngineConfig:
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
         "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} (default: off)")
 
+    # LoRA adapters (vLLM's flags): a request names one as its model; one batch mixes them.
+    enable_lora: bool = _setting(False, "serve LoRA adapters (PEFT folders) beside the base model")
+    max_loras: int = _setting(1, "LoRA adapters on the device at once: each takes a slot, and a request waits while "
+                              "every slot holds another running adapter")
+    max_lora_rank: int = _setting(16, "highest LoRA rank accepted; every slot is this wide")
+    max_cpu_loras: int | None = _setting(None, "LoRA adapters kept read in host memory, the least recently used "
+                                         "dropped (default: max_loras); more are read again from their folders")
+
     # Requests.
     seed: int = _setting(0, "seeds the draws of requests that bring no seed of their own")
     scheduling_policy: str = _setting(FCFS_POLICY, "fcfs (first come, first served) or priority: requests are "
@@ -128,10 +136,14 @@ class EngineConfig:
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name), _HINTS[field.name])
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
-                     "max_stop_ids", "priority_aging_steps"):
+                     "max_stop_ids", "priority_aging_steps", "max_loras", "max_lora_rank"):
             if getattr(self, name) is not None:
                 _check_at_least(name, getattr(self, name), 1)
         _check_at_least("max_logit_bias", self.max_logit_bias, 0)
+        if self.max_cpu_loras is not None:
+            _check_at_least("max_cpu_loras", self.max_cpu_loras, self.max_loras)
+        if self.enable_lora and self.speculative_config is not None:
+            raise ConfigError(f"{_named('enable_lora')} and {_named('speculative_config')} do not combine yet")
         if self.max_model_len is not None:
             _check_at_least("max_model_len", self.max_model_len, 2)
         if self.num_kv_pages is not None:

@@ -67,6 +67,7 @@ class ScheduledSequence:
     # Speculative decoding: the last num_draft_tokens of token_ids are proposed, not known; the step scores each
     # against the target and keeps the longest accepted run (only in a sampling chunk whose other ids are known).
     num_draft_tokens: int = 0
+    lora_slot: int = 0  # the device slot of the request's LoRA adapter; 0: the base model alone
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +86,8 @@ class SchedulerOutput:
     # Running requests first, then newly admitted ones, each in the scheduler's rank order (arrival or priority).
     sequences: tuple[ScheduledSequence, ...]
     num_batched_tokens: int  # sum of len(token_ids); at most max_num_batched_tokens
+    # (slot, adapter id): LoRA adapters this step's requests newly hold a slot for, to be written before it runs
+    lora_loads: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:

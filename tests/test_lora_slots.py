@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from jaxserve.checkpoint.lora_config import PROJECTIONS
-from jaxserve.checkpoint.lora_slots import LoraSlotArrays
-from jaxserve.model.lora import lora_delta, lora_delta_by_gather
+from jaxserve.checkpoint.lora_adapter import projection_shape
+from jaxserve.checkpoint.lora_slots import SlotWeights
+from jaxserve.model.lora import empty_lora_stack, lora_delta, lora_delta_by_gather, with_slot
 from tests.test_lora_adapter import BASE, _load, _write_adapter
 
 MAX_RANK = 8
@@ -27,12 +28,22 @@ def adapters(tmp_path_factory):
     return loaded
 
 
+def empty_stack(num_slots: int):
+    shapes = {p: projection_shape(BASE, p) for p in PROJECTIONS}
+    return empty_lora_stack(shapes, BASE.num_hidden_layers, num_slots, MAX_RANK, np.float32)
+
+
+def written(stack, slot: int, adapter):
+    weights = SlotWeights.of(adapter, BASE, MAX_RANK)
+    return jax.jit(with_slot)(stack, np.int32(slot), weights.a, weights.b)
+
+
 @pytest.fixture(scope="module")
 def slots(adapters):
-    arrays = LoraSlotArrays.zeros(BASE, num_slots=len(adapters) + 2, max_rank=MAX_RANK)  # one slot left empty
+    stack = empty_stack(num_slots=len(adapters) + 2)  # one slot left empty
     for slot, adapter in enumerate(adapters, start=1):
-        arrays.write(slot, adapter)
-    return arrays
+        stack = written(stack, slot, adapter)
+    return jax.tree.map(np.asarray, stack)
 
 
 @pytest.mark.parametrize("projection", PROJECTIONS)
@@ -52,14 +63,16 @@ def test_mixed_slots_in_one_batch_give_each_tokens_own_adapter_delta(adapters, s
         np.testing.assert_allclose(gathered[t], want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_rewritten_slot_holds_only_its_new_adapter_and_slot_0_stays_empty(adapters):
-    arrays = LoraSlotArrays.zeros(BASE, num_slots=2, max_rank=MAX_RANK)
-    arrays.write(1, adapters[1])  # every projection
-    arrays.write(1, adapters[0])  # q and v only: the others must be cleared
+def test_a_rewritten_slot_holds_only_its_new_adapter_and_other_slots_stay(adapters):
+    stack = written(empty_stack(num_slots=3), 2, adapters[2])
+    stack = written(stack, 1, adapters[1])  # every projection
+    stack = written(stack, 1, adapters[0])  # q and v only: the others must be cleared
+    arrays = jax.tree.map(np.asarray, stack)
     assert not arrays.a["o_proj"][:, 1].any() and not arrays.b["down_proj"][:, 1].any()
     np.testing.assert_allclose(arrays.b["q_proj"][0, 1, :, :4] @ arrays.a["q_proj"][0, 1, :4],
-                               adapters[0].delta("q_proj", 0), rtol=1e-6)
-    arrays.write(1, None)
-    assert not any(arrays.a[p].any() or arrays.b[p].any() for p in PROJECTIONS)
-    with pytest.raises(ValueError, match="slot 0"):
-        arrays.write(0, adapters[0])
+                               adapters[0].delta("q_proj", 0), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(arrays.b["o_proj"][1, 2, :, :2] @ arrays.a["o_proj"][1, 2, :2],
+                               adapters[2].delta("o_proj", 1), rtol=1e-5, atol=1e-7)
+    assert not any(arrays.a[p][:, 0].any() or arrays.b[p][:, 0].any() for p in PROJECTIONS)
+    cleared = jax.tree.map(np.asarray, written(stack, 1, None))
+    assert not any(cleared.a[p][:, 1].any() or cleared.b[p][:, 1].any() for p in PROJECTIONS)

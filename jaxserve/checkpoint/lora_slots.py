@@ -1,5 +1,6 @@
-"""Adapters laid out as the device's LoRA slots: per projection, A f32[layers, slots, r, in] and B
-f32[layers, slots, out, r], layer-leading so the decoder's scan hands each layer its slice (model/lora.py).
+"""An adapter laid out as one of the device's LoRA slots (model/lora.py's LoraStack holds them all: per projection,
+A f[layers, slots, r, in] and B f[layers, slots, out, r], layer-leading so the decoder's scan hands each layer its
+slice).
 
 Slot 0 stays zero (no adapter). An adapter of rank r < max_rank fills the first r rows of A and columns of B, the
 rest zero, and its scaling is folded into B, so every slot computes exactly scaling · B @ A of its adapter. A
@@ -19,29 +20,20 @@ from jaxserve.model.config import LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraSlotArrays:
-    """Host arrays of every slot of every decoder projection."""
+class SlotWeights:
+    """One slot's contents: an adapter's A and B for every projection, padded to the maximum rank, scaling in B."""
 
-    a: Mapping[str, np.ndarray]  # projection -> f32[layers, slots, max_rank, in]
-    b: Mapping[str, np.ndarray]  # projection -> f32[layers, slots, out, max_rank], scaling folded in
+    a: Mapping[str, np.ndarray]  # projection -> f32[layers, max_rank, in]
+    b: Mapping[str, np.ndarray]  # projection -> f32[layers, out, max_rank], scaling folded in
 
     @classmethod
-    def zeros(cls, config: LlamaConfig, num_slots: int, max_rank: int) -> LoraSlotArrays:
-        """Every slot empty; `num_slots` counts slot 0 (max_loras + 1)."""
+    def of(cls, adapter: LoraAdapter | None, config: LlamaConfig, max_rank: int) -> SlotWeights:
+        """`adapter` laid out for a slot (None: an empty slot); a projection it does not adapt stays zero."""
         layers = config.num_hidden_layers
         shapes = {p: projection_shape(config, p) for p in PROJECTIONS}
-        return cls(a={p: np.zeros((layers, num_slots, max_rank, i), np.float32) for p, (_, i) in shapes.items()},
-                   b={p: np.zeros((layers, num_slots, o, max_rank), np.float32) for p, (o, _) in shapes.items()})
-
-    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Puts `adapter` (None: no adapter) into `slot`, replacing what the slot held; slot 0 is never written."""
-        if slot == 0:
-            raise ValueError("slot 0 is the base model's (no adapter) and stays zero")
-        for projection in PROJECTIONS:
-            self.a[projection][:, slot] = 0.0
-            self.b[projection][:, slot] = 0.0
-            weights = adapter.weights.get(projection) if adapter is not None else None
-            if weights is not None:
-                rank = adapter.rank
-                self.a[projection][:, slot, :rank] = weights.a
-                self.b[projection][:, slot, :, :rank] = np.float32(adapter.scaling) * weights.b
+        a = {p: np.zeros((layers, max_rank, i), np.float32) for p, (_, i) in shapes.items()}
+        b = {p: np.zeros((layers, o, max_rank), np.float32) for p, (o, _) in shapes.items()}
+        for projection, weights in (adapter.weights.items() if adapter is not None else ()):
+            a[projection][:, :adapter.rank] = weights.a
+            b[projection][:, :, :adapter.rank] = np.float32(adapter.scaling) * weights.b
+        return cls(a=a, b=b)

@@ -22,6 +22,7 @@ import numpy as np
 from jaxserve.checkpoint import LoadedModel, ModelPlan
 from jaxserve.config import EngineConfig
 from jaxserve.engine.logprobs import SampledToken, candidate_logprobs
+from jaxserve.engine.lora_registry import LoraRegistry
 from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
@@ -32,6 +33,7 @@ from jaxserve.engine.startup import start_runner
 from jaxserve.engine.step_phases import StepPhaseTimes
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.errors import InvalidRequestError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
 from jaxserve.runner.model_runner import AcceptedDrafts, PendingStep, PromptScores, SampledBatch
 from jaxserve.sampling_params import SamplingParams
@@ -89,6 +91,9 @@ class LLMEngine:
         self.runner, self.config, self.startup_stats, self.draft_runner = start_runner(model, config, progress, draft)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
         self.scheduler = Scheduler(self.config, proposer=DraftModelProposer(self.draft_runner) if draft else None)
+        # The LoRA adapters served; None: enable_lora is off
+        self.loras = (LoraRegistry(model.config, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+                      if config.enable_lora else None)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
         self._arrivals = itertools.count()
@@ -98,11 +103,13 @@ class LLMEngine:
         self.phase_times = StepPhaseTimes()  # host time per phase of step(), summed
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
-                    prompt: str | None = None, stream: bool = False, priority: int | None = None) -> None:
+                    prompt: str | None = None, stream: bool = False, priority: int | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queues a prompt for `params.n` continuations; raises InvalidRequestError (changing nothing) if it cannot run.
 
         With `stream`, every token the request's continuations gain is also reported through `pop_deltas`.
         `priority` (vLLM's keyword; None: `params.priority`) orders it under the priority scheduling policy.
+        `lora_request`: the LoRA adapter to run with (added first if new, LoraAdapterError if it cannot serve).
         """
         params = params.with_priority(priority)
         if request_id in self._tracked:
@@ -111,6 +118,7 @@ class LLMEngine:
         check_prompt_tokens(ids, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len)
         max_new = self._max_new_tokens(len(ids), params)
         self._check_runner_limits(params)
+        lora_id = self._lora_id(lora_request)
         children = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         base_seed = params.seed if params.seed is not None else int(self._draw_seeds.integers(2**32))
         tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
@@ -121,10 +129,33 @@ class LLMEngine:
             self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new,
                                                # As vLLM: continuation i draws with seed + i.
                                                seed=base_seed + index, eos_token_ids=self.tokenizer.eos_token_ids,
-                                               grammar=grammars[index]))
+                                               grammar=grammars[index], lora_id=lora_id))
             tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
             self._parent_of[child] = request_id
         self._tracked[request_id] = tracked
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Serves a LoRA adapter to requests from now on (vLLM's `add_lora`); False if it was served already."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)",
+                                      param="lora_request")
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Stops serving an adapter to new requests; those queued or running with it finish with it."""
+        removed = self.loras.remove(lora_name) if self.loras is not None else None
+        if removed is not None:
+            self.scheduler.adapter_slots.forget(removed.lora_int_id)
+        return removed is not None
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.served() if self.loras is not None else []
+
+    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+        if lora_request is None:
+            return 0
+        self.add_lora(lora_request)
+        return lora_request.lora_int_id
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request at any point; its pages are free when this returns."""
@@ -186,6 +217,8 @@ class LLMEngine:
         with jax.profiler.TraceAnnotation("schedule"), self.phase_times.timing("schedule"):
             schedule = self.scheduler.schedule()
         with self.phase_times.timing("dispatch"):
+            for slot, lora_id in schedule.lora_loads:
+                self.runner.write_lora_slot(slot, self.loras.slot_weights(lora_id))
             dispatched = None if schedule.is_empty else _InFlight(schedule, self.runner.execute(schedule))
         if self._in_flight is not None:
             finished += self._complete(self._in_flight)

@@ -19,6 +19,12 @@ from jaxserve.schedule import NULL_PAGE
 ROOT_KEY = 0  # parent key of a sequence's first page; no page is ever given this key
 
 PageKey = int  # interned id of one full page's exact content chain
+
+
+def prefix_root(lora_id: int) -> PageKey:
+    """The parent key of a sequence's first page: KV computed under a LoRA adapter is that adapter's alone, so each
+    adapter's chains start from a root of their own (negative: no page key is ever negative)."""
+    return ROOT_KEY - lora_id
 _Chain = tuple[PageKey, tuple[int, ...]]  # (key of the previous page, this page's tokens)
 
 
@@ -115,13 +121,15 @@ class PagePool:
                 else:
                     self._free.append(page)
 
-    def match_prefix(self, page_tokens: Iterable[tuple[int, ...]], num_queried_tokens: int) -> PrefixMatch:
-        """Follows the key chain through consecutive full pages of tokens; stops at the first page not cached."""
+    def match_prefix(self, page_tokens: Iterable[tuple[int, ...]], num_queried_tokens: int,
+                     root: PageKey = ROOT_KEY) -> PrefixMatch:
+        """Follows the key chain from `root` (see `prefix_root`) through consecutive full pages of tokens; stops at
+        the first page not cached."""
         if not self.enable_prefix_caching:
             return PrefixMatch()
         pages: list[int] = []
         keys: list[PageKey] = []
-        parent = ROOT_KEY
+        parent = root
         for tokens in page_tokens:
             hit = self._key_of_chain.get((parent, tokens))
             if hit is None:

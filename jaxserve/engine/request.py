@@ -38,7 +38,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  arrival_index: int, max_new_tokens: int | None = None, *, seed: int = 0,
-                 eos_token_ids: tuple[int, ...] = (), grammar: GrammarMatcher | None = None):
+                 eos_token_ids: tuple[int, ...] = (), grammar: GrammarMatcher | None = None, lora_id: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.params = params
@@ -54,6 +54,8 @@ class Request:
         # preemption keeps it, since the outputs stay). The engine runs such requests without async overlap, so
         # the mask of each draw follows every earlier token.
         self.grammar = grammar
+        self.lora_id = lora_id  # its LoRA adapter's id (LoRARequest.lora_int_id); 0: the base model
+        self.lora_slot = 0  # the device slot holding that adapter while the request runs; 0: none
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         # Draft-model speculation: leading tokens whose KV the draft model holds, in its pool's copy of these pages

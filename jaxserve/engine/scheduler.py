@@ -52,7 +52,8 @@ import dataclasses
 import operator
 from collections.abc import Mapping
 
-from jaxserve.engine.page_pool import ROOT_KEY, PagePool, PrefixMatch
+from jaxserve.engine.adapter_slots import AdapterSlots
+from jaxserve.engine.page_pool import PagePool, PrefixMatch, prefix_root
 from jaxserve.engine.prompt_checks import check_prompt_length
 from jaxserve.config import FCFS_POLICY, PRIORITY_POLICY, EngineConfig
 from jaxserve.engine.request import Request, RequestStatus
@@ -74,6 +75,7 @@ class _StepPlan:
     token_budget: int  # tokens the step may still take
     sequences: list[ScheduledSequence] = dataclasses.field(default_factory=list)  # the batch so far, in order
     preempted: bool = False  # a running request lost its pages in this call
+    lora_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slot, adapter id) to write
 
 
 class Scheduler:
@@ -90,6 +92,8 @@ class Scheduler:
         self.page_size = config.block_size
         self.pool = PagePool(self.num_pages, self.page_size, config.enable_prefix_caching)
         self._requests: dict[str, Request] = {}
+        # LoRA adapter slots held by running requests; None: the engine serves no adapters
+        self.adapter_slots = AdapterSlots(config.max_loras) if config.enable_lora else None
         self._waiting: list[Request] = []  # kept sorted by rank
         self._running: list[Request] = []  # kept sorted by rank
         self._next_step = 0
@@ -172,6 +176,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
+            self._release_adapter(request)
         else:
             self._waiting.remove(request)
         self._release_pages(request)
@@ -249,8 +254,10 @@ class Scheduler:
             new_pages = self._pages_for(num_hit + num_new) - match.num_pages
             if not num_new or new_pages > self.pool.num_allocatable - self.pool.num_evictable(match.page_ids):
                 break
+            if self.adapter_slots is not None and not self.adapter_slots.can_acquire(request.lora_id):
+                break  # every adapter slot is in use by other adapters' running requests
             self._waiting.pop(0)
-            self._start_running(request, match)
+            self._start_running(request, match, plan)
             self._schedule_chunk(request, num_new, plan)
 
     def _cached_prefix(self, request: Request) -> PrefixMatch:
@@ -259,9 +266,14 @@ class Scheduler:
             return _NO_PREFIX  # every prompt token must be computed to score it
         max_pages = (request.num_known_tokens - 1) // self.page_size
         pages = request.full_pages(self.page_size, max_pages)
-        return self.pool.match_prefix(pages, num_queried_tokens=request.num_known_tokens)
+        return self.pool.match_prefix(pages, num_queried_tokens=request.num_known_tokens,
+                                      root=prefix_root(request.lora_id))
 
-    def _start_running(self, request: Request, match: PrefixMatch) -> None:
+    def _start_running(self, request: Request, match: PrefixMatch, plan: _StepPlan) -> None:
+        if self.adapter_slots is not None:
+            request.lora_slot, fresh = self.adapter_slots.acquire(request.lora_id)
+            if fresh:
+                plan.lora_loads.append((request.lora_slot, request.lora_id))
         self.pool.acquire_prefix(match)
         request.page_ids = list(match.page_ids)
         request.page_keys = list(match.keys)
@@ -296,6 +308,7 @@ class Scheduler:
             # Logits at position p score prompt token p + 1; the last prompt position's logits are the sample's.
             wants_prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
             sampling=_sampling_row(request, samples),
+            lora_slot=request.lora_slot,
         ))
         plan.token_budget -= num_new
 
@@ -356,6 +369,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self._running.remove(request)
+        self._release_adapter(request)
         self._release_pages(request)
         request.reset_for_recompute()
         bisect.insort(self._waiting, request, key=_RANK)
@@ -369,9 +383,14 @@ class Scheduler:
         page_size = self.page_size
         num_full = min(request.num_computed_tokens, request.num_known_tokens) // page_size
         for index in range(len(request.page_keys), num_full):
-            parent = request.page_keys[-1] if request.page_keys else ROOT_KEY
+            parent = request.page_keys[-1] if request.page_keys else prefix_root(request.lora_id)
             tokens = request.token_ids(index * page_size, (index + 1) * page_size)
             request.page_keys.append(self.pool.register(request.page_ids[index], parent, tokens))
+
+    def _release_adapter(self, request: Request) -> None:
+        if self.adapter_slots is not None:
+            self.adapter_slots.release(request.lora_slot)
+        request.lora_slot = 0
 
     def _release_pages(self, request: Request) -> None:
         self.pool.release(reversed(request.page_ids))
@@ -383,6 +402,7 @@ class Scheduler:
             step=self._next_step,
             sequences=tuple(plan.sequences),
             num_batched_tokens=sum(s.num_tokens for s in plan.sequences),
+            lora_loads=tuple(plan.lora_loads),
         )
         self._next_step += 1
         if plan.sequences:

@@ -17,8 +17,9 @@ from jaxserve.config import EngineConfig, config_from
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.prompts import (TokenizedPrompt, chat_prompt, normalize_prompts,
-                                          params_per_prompt, tokenize_prompt, with_priorities)
+                                          lora_per_prompt, params_per_prompt, tokenize_prompt, with_priorities)
 from jaxserve.errors import InvalidRequestError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
@@ -85,38 +86,43 @@ class LLM:
         return self.tokenizer
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates one continuation per prompt; prompts are text, `{"prompt_token_ids": [...]}`, or a list.
 
         `priority`, as in vLLM: one per prompt, lower served earlier; only with scheduling_policy="priority".
+        `lora_request`, as in vLLM: one LoRA adapter for every prompt, or one (or None) per prompt; needs
+        enable_lora=True.
         """
         prompt_list = normalize_prompts(prompts)
         tokenized = [tokenize_prompt(p, self.tokenizer) for p in prompt_list]
         return self._run(tokenized, with_priorities(params_per_prompt(sampling_params, len(tokenized)), priority),
-                         use_tqdm)
+                         use_tqdm, lora_per_prompt(lora_request, len(tokenized)))
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             priority: Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: Sequence[int] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation (a list of messages) or to a list of them; `tools`
         (OpenAI's tool definitions) reach the template, as in vLLM (the answers are not read for calls here);
-        `priority`: one per conversation, as `generate`'s."""
+        `priority` and `lora_request`: as `generate`'s, per conversation."""
         tokenized = [chat_prompt(self.tokenizer, conversation, add_generation_prompt,
                                  **{"tools": tools, **(chat_template_kwargs or {})})
                      for conversation in _as_conversations(messages)]
         return self._run(tokenized, with_priorities(params_per_prompt(sampling_params, len(tokenized)), priority),
-                         use_tqdm)
+                         use_tqdm, lora_per_prompt(lora_request, len(tokenized)))
 
-    def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
         for prompt in prompts:
             check_prompt_tokens(prompt.token_ids, vocab_size=self.model.config.vocab_size,
                                 max_model_len=self.max_model_len)
         ids = [str(next(self._request_ids)) for _ in prompts]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt.token_ids, p, prompt=prompt.text)
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
+                self.engine.add_request(request_id, prompt.token_ids, p, prompt=prompt.text, lora_request=lora)
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)

@@ -10,6 +10,7 @@ from typing import Any
 from jaxserve.engine.prompt_checks import EMPTY_PROMPT
 from jaxserve.entrypoints.tool_calls import template_messages
 from jaxserve.errors import InvalidRequestError, TokenizerError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer, flatten_text_content
 
@@ -123,6 +124,18 @@ def with_priorities(params: list[SamplingParams], priority: Sequence[int] | None
         raise InvalidRequestError(f"got {len(priority)} priorities for {len(params)} prompts; pass one per prompt",
                                   param="priority")
     return [p.with_priority(q) for p, q in zip(params, priority)]
+
+
+def lora_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                    num_prompts: int) -> list[LoRARequest | None]:
+    """vLLM's `lora_request=`: one adapter (or None) for every prompt, or a list with one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts or not all(lora is None or isinstance(lora, LoRARequest) for lora in loras):
+        raise InvalidRequestError(f"lora_request must be one LoRARequest or a list of {num_prompts} (one per prompt, "
+                                  "None for the base model)", param="lora_request")
+    return loras
 
 
 def _is_int(value) -> bool:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.lora import LayerLora, LoraStack
 from jaxserve.model.quantization import WeightFormat, scale_shape, scaled_matmul, weight_format
 from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
@@ -53,6 +54,12 @@ class QuantizedLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = scaled_matmul(x, self.weight[...], self.weight_scale[...], self.block)
         return y if self.bias is None else y + self.bias[...]
+
+
+def _adapted(projection: nnx.Module, name: str, x: jax.Array, lora: LayerLora | None) -> jax.Array:
+    """The projection's output plus, with adapters, each token's own adapter delta."""
+    y = projection(x)
+    return y if lora is None else y + lora.delta(name, x)
 
 
 def _projection(quantization: str | WeightFormat | None, in_features: int, out_features: int, **kwargs) -> nnx.Module:
@@ -100,14 +107,14 @@ class Attention(nnx.Module):
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = hd
 
-    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array):
+    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array, lora: LayerLora | None = None):
         batch, tokens, _ = x.shape
-        q = self.q_proj(x).reshape(batch, tokens, self.heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, tokens, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, tokens, self.kv_heads, self.head_dim)
+        q = _adapted(self.q_proj, "q_proj", x, lora).reshape(batch, tokens, self.heads, self.head_dim)
+        k = _adapted(self.k_proj, "k_proj", x, lora).reshape(batch, tokens, self.kv_heads, self.head_dim)
+        v = _adapted(self.v_proj, "v_proj", x, lora).reshape(batch, tokens, self.kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out, cache = cache.update_and_attend(layer, q, k, v, positions, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(batch, tokens, self.heads * self.head_dim)), cache
+        return _adapted(self.o_proj, "o_proj", out.reshape(batch, tokens, self.heads * self.head_dim), lora), cache
 
 
 class MLP(nnx.Module):
@@ -120,8 +127,10 @@ class MLP(nnx.Module):
         self.up_proj = _projection(quantization, cfg.hidden_size, cfg.intermediate_size, **linear)
         self.down_proj = _projection(quantization, cfg.intermediate_size, cfg.hidden_size, **linear)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, lora: LayerLora | None = None) -> jax.Array:
+        gate = jax.nn.silu(_adapted(self.gate_proj, "gate_proj", x, lora))
+        hidden = gate * _adapted(self.up_proj, "up_proj", x, lora)
+        return _adapted(self.down_proj, "down_proj", hidden, lora)
 
 
 class DecoderLayer(nnx.Module):
@@ -136,10 +145,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, stack)
         self.mlp = MLP(cfg, **projections)
 
-    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer)
+    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array, lora: LayerLora | None = None):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, lora)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x), lora), cache
 
 
 class LlamaModel(nnx.Module):
@@ -155,7 +164,8 @@ class LlamaModel(nnx.Module):
         self.head_dim = cfg.head_dim
         self.num_layers = cfg.num_hidden_layers
 
-    def __call__(self, tokens, positions, cache: KVCache):
+    def __call__(self, tokens, positions, cache: KVCache, lora: LoraStack | None = None,
+                 token_slots: jax.Array | None = None):
         # A trace-time numpy constant, so it never becomes a parameter.
         cos, sin = rotary_cos_sin(positions, inverse_frequencies(self.rope, self.head_dim))
         x = self.embed_tokens(tokens)
@@ -163,12 +173,14 @@ class LlamaModel(nnx.Module):
 
         def run_layer(carry, layer_inputs):
             x, cache = carry
-            params, index = layer_inputs  # one layer's slice of every parameter, its index i32[]
+            # One layer's slice of every parameter, its index i32[], its slice of the adapter slots (or None).
+            params, index, slots = layer_inputs
+            layer_lora = None if slots is None else LayerLora(slots.a, slots.b, token_slots)
             with jax.named_scope("decoder_layer"):
-                return nnx.merge(layer_def, params)(x, cos, sin, positions, cache, index), None
+                return nnx.merge(layer_def, params)(x, cos, sin, positions, cache, index, layer_lora), None
 
         layer_indices = jnp.arange(self.num_layers, dtype=jnp.int32)  # i32[num_layers]
-        (x, cache), _ = jax.lax.scan(run_layer, (x, cache), (stacked, layer_indices))
+        (x, cache), _ = jax.lax.scan(run_layer, (x, cache), (stacked, layer_indices, lora))
         return self.norm(x), cache
 
 
@@ -192,8 +204,10 @@ class LlamaForCausalLM(nnx.Module):
         tokens: jax.Array,  # i32[batch, tokens]
         positions: jax.Array,  # i32[batch, tokens]
         cache: KVCache,
+        lora: LoraStack | None = None,  # adapter slots; None: the base model alone
+        token_slots: jax.Array | None = None,  # i32[batch * tokens]: each token's adapter slot, with `lora`
     ) -> tuple[jax.Array, KVCache]:  # f[batch, tokens, hidden], updated cache
-        return self.model(tokens, positions, cache)
+        return self.model(tokens, positions, cache, lora, token_slots)
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # f32[..., vocab] from f[..., hidden]
         weight = self.model.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]

@@ -34,9 +34,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxserve.checkpoint.lora_adapter import projection_shape
+from jaxserve.checkpoint.lora_config import PROJECTIONS
+from jaxserve.checkpoint.lora_slots import SlotWeights
 from jaxserve.config import EngineConfig
+from jaxserve.errors import ConfigError
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_quantization import kv_pool_dtype
+from jaxserve.model.lora import LoraStack, empty_lora_stack, with_slot
 from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.parallel import KV_POOL_SPEC, logits_partition_spec, make_tp_mesh
 from jaxserve.parallel.process_group import abort_group
@@ -175,6 +180,9 @@ class ModelRunner:
         logits_shardings = LogitsShardings(
             computed=NamedSharding(self.mesh, logits_partition_spec(model_config.vocab_size, self.mesh)),
             sampled=self._replicated)
+        # The adapter slots (slot 0: none), replaced whole by each write; None: the engine serves no adapters.
+        self.lora: LoraStack | None = self._empty_lora_stack() if config.enable_lora else None
+        self._lora_writer: jax.stages.Compiled | None = None  # compiled by warm_up
         self._jitted = jax.jit(functools.partial(run_packed_step, graphdef, logits_shardings=logits_shardings),
                                static_argnames=("layout", "num_top_logprobs"), donate_argnames="pool",
                                out_shardings=(self._replicated, self._pool_leaf_shardings()))
@@ -185,6 +193,29 @@ class ModelRunner:
         # The per-step broadcast when the mesh spans processes; None on one process.
         self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_arrays) if spans_processes(self.mesh)
                          else None)
+        if self._channel is not None and self.lora is not None:
+            raise ConfigError("LoRA adapters (enable_lora) do not run on a mesh over several processes yet")
+
+    def _empty_lora_stack(self) -> LoraStack:
+        cfg = self.model_config
+        shapes = {p: projection_shape(cfg, p) for p in PROJECTIONS}
+        stack = empty_lora_stack(shapes, cfg.num_hidden_layers, self.config.max_loras + 1, self.config.max_lora_rank,
+                                 self.dtype)
+        # Replicated: each device adds every token's whole delta to its share of the projection's output.
+        return jax.device_put(stack, self._replicated)
+
+    def write_lora_slot(self, slot: int, weights: SlotWeights) -> None:
+        """Puts one adapter (or an empty slot's zeros) into `slot` for the steps dispatched from now on; a step
+        already in flight keeps the slots it was given (the write makes new arrays)."""
+        if not 1 <= slot <= self.config.max_loras:
+            raise ValueError(f"LoRA slot {slot} is not in 1..{self.config.max_loras}")
+        self.lora = self._lora_writer(self.lora, np.int32(slot), dict(weights.a), dict(weights.b))
+
+    def _compile_lora_writer(self) -> None:
+        empty = SlotWeights.of(None, self.model_config, self.config.max_lora_rank)
+        with self.guard.watch():
+            self._lora_writer = jax.jit(with_slot, out_shardings=self._replicated).lower(
+                self.lora, np.int32(1), dict(empty.a), dict(empty.b)).compile()
 
     def largest_step_workspace_bytes(self, num_pages: int = 2) -> int:
         """Temporary memory of the largest step (all tokens, all rows, full sampler) on one device, from XLA's
@@ -239,6 +270,8 @@ class ModelRunner:
             for done in concurrent.futures.as_completed(compiling):
                 self._programs[compiling[done]] = done.result()
                 compiled_bar.update()
+        if self.lora is not None:
+            self._compile_lora_writer()
         self.warmup_stats = WarmupStats(len(buckets), lower_seconds, time.perf_counter() - started)
         if self._channel is not None:
             with self.guard.watch():
@@ -248,7 +281,8 @@ class ModelRunner:
     def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
         layout = self._layout(bucket)
         packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._replicated)
-        return self._jitted.lower(self._abstract_params, self._pool_shape(num_pages), self._last_tokens, packed,
+        lora = jax.tree.map(_abstract, self.lora)
+        return self._jitted.lower(self._abstract_params, self._pool_shape(num_pages), self._last_tokens, packed, lora,
                                   layout=layout, num_top_logprobs=self.config.max_logprobs)
 
     def _layout(self, bucket: StepBucket) -> PackedLayout:
@@ -323,7 +357,7 @@ class ModelRunner:
         """Launches the bucket's program on the pool; the same call on every process of a lockstep group."""
         with jax.profiler.TraceAnnotation("step"):
             packed = self.transfer(bucket, host_arrays)
-            result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, packed)
+            result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, packed, self.lora)
         self.bucket_counts[bucket] += 1
         self._last_tokens = result.last_tokens
         return result
@@ -386,7 +420,9 @@ class ModelRunner:
                           prompt_targets=_prompt_targets(chunks, bucket.num_tokens) if bucket.prompt_logits
                           else None,
                           drafts=build_draft_arrays(chunks, layout.last_token, bucket.num_seqs,
-                                                    self.num_speculative_tokens) if bucket.drafts else None)
+                                                    self.num_speculative_tokens) if bucket.drafts else None,
+                          lora_slots=_token_lora_slots(chunks, layout, bucket.num_tokens) if self.lora is not None
+                          else None)
 
     def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket, slots: np.ndarray | None):
         """The rows' sampling settings: from the kept rows (slots), or built afresh (the reference path)."""
@@ -406,6 +442,15 @@ class ModelRunner:
 def _abstract(x) -> jax.ShapeDtypeStruct:
     """An array's (or placeholder's) shape, dtype and sharding."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _token_lora_slots(chunks: Sequence[ScheduledSequence], layout: ChunkLayout,
+                      num_tokens: int) -> np.ndarray:  # i32[num_tokens]
+    """Each token's adapter slot, its chunk's; padding tokens take slot 0 (none)."""
+    slots = np.zeros(num_tokens, np.int32)
+    per_chunk = np.fromiter((c.lora_slot for c in chunks), np.int32, len(chunks))  # i32[n]
+    slots[:layout.num_tokens] = per_chunk[layout.token_rows]
+    return slots
 
 
 def _prompt_spans(chunks: Sequence[ScheduledSequence]) -> list[_PromptSpan]:

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.lora import LoraStack
 from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, PagedKVCache
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.sampler import SamplerOutput, SamplingTensors, describe_tokens, sample
@@ -39,6 +40,8 @@ class StepArrays:
     prompt_targets: jax.Array | None = None
     # Speculative decoding's drafts per row; None (another compiled variant): no row brings drafts
     drafts: DraftArrays | None = None
+    # i32[T]: each token's LoRA adapter slot (0: none); None: the engine serves no adapters
+    lora_slots: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +66,13 @@ class StepResult:
 
 def run_packed_step(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, previous_tokens: jax.Array,
                     packed: jax.Array,  # i32[layout.size]: the step's StepArrays in one buffer
+                    lora: LoraStack | None,  # the adapter slots; None: no adapters
                     layout: PackedLayout,  # static: the bucket's
                     num_top_logprobs: int,  # static
                     logits_shardings: LogitsShardings | None = None) -> tuple[StepResult, PagedKVCache]:
     """`run_step` on inputs that arrived in one transfer."""
-    return run_step(graphdef, params, pool, previous_tokens, layout.unpack(packed), num_top_logprobs, logits_shardings)
+    return run_step(graphdef, params, pool, previous_tokens, layout.unpack(packed), num_top_logprobs, logits_shardings,
+                    lora)
 
 
 def run_step(
@@ -78,12 +83,14 @@ def run_step(
     arrays: StepArrays,
     num_top_logprobs: int,  # static
     logits_shardings: LogitsShardings | None = None,  # None: one device, logits as computed
+    lora: LoraStack | None = None,  # the adapter slots, read at arrays.lora_slots; None: no adapters
 ) -> tuple[StepResult, PagedKVCache]:
     model = nnx.merge(graphdef, params)
     tokens = jnp.where(arrays.pending_rows >= 0, previous_tokens[jnp.maximum(arrays.pending_rows, 0)],
                        arrays.token_ids)  # i32[T]
     with jax.named_scope("layers"):
-        hidden, pool = model(tokens[None], arrays.positions[None], pool.with_metadata(arrays.metadata))
+        hidden, pool = model(tokens[None], arrays.positions[None], pool.with_metadata(arrays.metadata), lora,
+                             arrays.lora_slots)
     verified = None
     if arrays.drafts is None:
         with jax.named_scope("logits"):

@@ -1,0 +1,75 @@
+"""`LoraRegistry`: the LoRA adapters an engine serves, and those read into host memory.
+
+An adapter is read and checked against the base model when it is added (a bad folder is refused then, changing
+nothing), kept in host memory among the `max_cpu_loras` most recently used, and read again from its folder when a
+slot needs it after it was dropped. Removing an adapter takes its name away from new requests; requests already
+queued or running with it keep their id and finish with it.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+from jaxserve.checkpoint.lora_adapter import LoraAdapter, load_lora_adapter
+from jaxserve.checkpoint.lora_slots import SlotWeights
+from jaxserve.errors import LoraAdapterError
+from jaxserve.lora_request import LoRARequest
+from jaxserve.model.config import LlamaConfig
+
+
+class LoraRegistry:
+    """Adapters by name and id, and an LRU of those read."""
+
+    def __init__(self, model_config: LlamaConfig, max_lora_rank: int, max_cpu_loras: int):
+        self._model_config = model_config
+        self._max_rank = max_lora_rank
+        self._max_cpu_loras = max_cpu_loras
+        self._served: dict[str, LoRARequest] = {}  # name -> adapter, for new requests
+        self._of_id: dict[int, LoRARequest] = {}  # id -> adapter, removed ones included (queued requests use them)
+        self._read: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()  # least recent first
+
+    def add(self, request: LoRARequest) -> bool:
+        """Serves the adapter from now on; False if it is served already (same name, id and folder). Raises
+        LoraAdapterError, changing nothing, for a folder that cannot serve or a name or id taken by another."""
+        served = self._served.get(request.lora_name)
+        if served == request:
+            return False
+        if served is not None:
+            raise LoraAdapterError(f"a LoRA adapter named {request.lora_name!r} is already loaded "
+                                   f"(id {served.lora_int_id}, {served.lora_path}); unload it first")
+        taken = next((s for s in self._served.values() if s.lora_int_id == request.lora_int_id), None)
+        if taken is not None:
+            raise LoraAdapterError(f"LoRA id {request.lora_int_id} already belongs to adapter {taken.lora_name!r}")
+        adapter = self._read_adapter(request)
+        self._served[request.lora_name] = self._of_id[request.lora_int_id] = request
+        self._remember(request.lora_int_id, adapter)
+        return True
+
+    def remove(self, name: str) -> LoRARequest | None:
+        """Stops serving the adapter named `name` to new requests; the removed one, or None if none had the name."""
+        return self._served.pop(name, None)
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self._served.get(name)
+
+    def served(self) -> list[LoRARequest]:
+        """The adapters new requests may name, in the order they were added."""
+        return list(self._served.values())
+
+    def slot_weights(self, lora_id: int) -> SlotWeights:
+        """Adapter `lora_id` laid out for a device slot, read again from its folder if it was dropped."""
+        adapter = self._read.get(lora_id)
+        if adapter is None:
+            adapter = self._read_adapter(self._of_id[lora_id])
+        self._remember(lora_id, adapter)
+        return SlotWeights.of(adapter, self._model_config, self._max_rank)
+
+    def _read_adapter(self, request: LoRARequest) -> LoraAdapter:
+        return load_lora_adapter(Path(request.lora_path), self._model_config, self._max_rank, request.lora_name)
+
+    def _remember(self, lora_id: int, adapter: LoraAdapter) -> None:
+        self._read[lora_id] = adapter
+        self._read.move_to_end(lora_id)
+        while len(self._read) > self._max_cpu_loras:
+            self._read.popitem(last=False)

@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 from jaxserve.checkpoint.lora_adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, load_lora_adapter
 from jaxserve.checkpoint.lora_config import PROJECTIONS, module_name
+from jaxserve.checkpoint.random_lora import PEFT_PREFIX, write_random_lora_adapter
 from jaxserve.errors import (ConfigError, LoraAdapterError, LoraBaseModelMismatchError, LoraRankError,
                              UnsupportedLoraError)
 from jaxserve.model.config import LlamaConfig
@@ -32,48 +33,14 @@ MAX_LORA_RANK = 8
 # tests/hf_models.py's tiny "llama31" shape: grouped-query attention, so k/v differ from q in width.
 BASE = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16)
-PREFIX = "base_model.model."  # peft's wrapper prefix on every tensor name
+PREFIX = PEFT_PREFIX
 # float32: peft's merge adds B @ A * scaling to W; the loader's delta is scaling * B @ A; they differ by rounding.
 DELTA_TOLERANCE = dict(atol=1e-6, rtol=1e-5)
 
-# peft 0.21.2's adapter_config.json for LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) on a
-# LlamaForCausalLM, as save_pretrained writes it.
-PEFT_CONFIG = {
-    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None,
-    "auto_mapping": {"base_model_class": "LlamaForCausalLM",
-                     "parent_library": "transformers.models.llama.modeling_llama"},
-    "base_model_name_or_path": None, "bias": "none", "corda_config": None, "ensure_weight_tying": False,
-    "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False, "inference_mode": True,
-    "init_lora_weights": True, "kasa_config": None, "layer_replication": None, "layers_pattern": None,
-    "layers_to_transform": None, "loftq_config": {}, "lora_alpha": 8, "lora_bias": False, "lora_dropout": 0.0,
-    "lora_ga_config": None, "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
-    "monteclora_config": None, "peft_type": "LORA", "peft_version": "0.21.2", "qalora_group_size": 16, "r": 4,
-    "rank_pattern": {}, "revision": None, "target_modules": ["q_proj", "v_proj"], "target_parameters": None,
-    "task_type": None, "trainable_token_indices": None, "use_bdlora": None, "use_dora": False, "use_qalora": False,
-    "use_rslora": False, "velora_config": None,
-}
 
-
-def _write_adapter(folder: Path, base: LlamaConfig = BASE, rank: int = 4, projections=("q_proj", "v_proj"),
-                   layers=None, prefix: str = PREFIX, dtype=np.float32, seed: int = 0,
-                   **config_changes) -> dict[str, np.ndarray]:
-    """An adapter folder as peft writes it, with random A and B of `rank` for `projections` of `layers` (default:
-    all) of a model shaped as `base`; `config_changes` replace adapter_config.json fields. Returns its tensors."""
-    from jaxserve.checkpoint.lora_adapter import projection_shape
-
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for layer in range(base.num_hidden_layers) if layers is None else layers:
-        for projection in projections:
-            out_features, in_features = projection_shape(base, projection)
-            name = f"{prefix}{module_name(projection, layer)}"
-            tensors[f"{name}.lora_A.weight"] = rng.uniform(-0.3, 0.3, (rank, in_features)).astype(dtype)
-            tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.5, (out_features, rank)).astype(dtype)
-    save_file(tensors, folder / ADAPTER_WEIGHTS_FILE, metadata={"format": "pt"})
-    config = {**PEFT_CONFIG, "r": rank, "target_modules": list(projections), **config_changes}
-    (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    return tensors
+def _write_adapter(folder: Path, base: LlamaConfig = BASE, **options) -> dict[str, np.ndarray]:
+    """A random adapter folder in peft's format, shaped for `base` (the tiny HF Llama's shape by default)."""
+    return write_random_lora_adapter(folder, base, **options)
 
 
 def _load(folder: Path, base: LlamaConfig = BASE, max_lora_rank: int = MAX_LORA_RANK):

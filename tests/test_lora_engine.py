@@ -5,7 +5,7 @@ The parity test takes the real peft library as the oracle: a tiny HF Llama saved
 by `peft.get_peft_model` (lora_B randomised: peft starts it at zero) and saved by peft's `save_pretrained`; HF's
 greedy `generate` with each adapter gives the tokens and log-probabilities that jaxserve must give for the same
 prompts in one batch mixing both adapters and the base model. The other tests run the built-in model with adapter
-folders written in peft's format by tests/test_lora_adapter.py's `_write_adapter`, no torch needed.
+folders written in peft's format by jaxserve/checkpoint/random_lora.py, no torch needed.
 """
 
 import copy
@@ -18,10 +18,10 @@ import pytest
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR
 from jaxserve.checkpoint.lora_config import PROJECTIONS
+from jaxserve.checkpoint.random_lora import write_random_lora_adapter
 from jaxserve.engine.adapter_slots import AdapterSlots
 from jaxserve.errors import InvalidRequestError, LoraAdapterError, LoraRankError
 from jaxserve.model.config import LlamaConfig
-from tests.test_lora_adapter import _write_adapter
 
 MAX_RANK = 8
 LIMITS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, use_tqdm_on_load=False)
@@ -40,7 +40,7 @@ def adapter_dirs(tmp_path_factory) -> dict[str, Path]:
              "mlp": dict(rank=8, projections=("k_proj", "o_proj", "gate_proj", "up_proj"), seed=3, lora_alpha=32),
              "all": dict(rank=2, projections=tuple(PROJECTIONS), seed=5, use_rslora=True)}
     for name, spec in specs.items():
-        _write_adapter(work / name, base=config, **spec)
+        write_random_lora_adapter(work / name, config, **spec)
     return {name: work / name for name in specs}
 
 
@@ -109,7 +109,7 @@ def test_bad_adapters_are_refused_and_change_nothing(llm, adapter_dirs, tmp_path
     served = llm.engine.list_loras()
     with pytest.raises(LoraAdapterError, match="does not exist"):
         llm.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest("missing", 9, str(tmp_path / "none")))
-    _write_adapter(tmp_path / "wide", base=builtin_config(), rank=MAX_RANK * 2)
+    write_random_lora_adapter(tmp_path / "wide", builtin_config(), rank=MAX_RANK * 2)
     with pytest.raises(LoraRankError):
         llm.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest("wide", 9, str(tmp_path / "wide")))
     taken = lora(adapter_dirs, "mlp")

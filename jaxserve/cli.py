@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from jaxserve.device_memory import claim_device_memory
-from jaxserve.errors import JaxserveError
+from jaxserve.errors import ConfigError, JaxserveError
 from jaxserve.config import FIELD_NAMES, EngineConfig, flag_fields, flag_type, load_config
 
 DEMO_PROMPT = "The capital of France is"
@@ -113,6 +113,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds a client may leave a response unread (its send blocked) before it is dropped "
                         "and its request aborted (default: 60)")
     parser.add_argument("--profile-dir", type=Path, help="enables /start_profile and /stop_profile, traces go here")
+    parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+                        help="LoRA adapters served from the start, each name=path or JSON {\"name\": ..., "
+                        "\"path\": ...}; requests name one as their model (needs --enable-lora)")
     parser.add_argument("--allow-unknown-fields", action="store_true",
                         help="drop request fields this server does not declare instead of answering 400 (for "
                         "clients that send extras); declared but unimplemented fields are still refused")
@@ -181,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
     # JAX probes for a TPU on every start and logs the failure at INFO: noise on every GPU and CPU host.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     from jaxserve.server.api_keys_file import load_api_keys_file
-    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.config import ServerConfig, parse_lora_module
 
     if args.model_path is not None:
         if args.model is not None and args.model != args.model_path:
@@ -194,7 +197,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout, stream_timeout_s=args.stream_timeout,
         profile_dir=args.profile_dir, allow_unknown_fields=args.allow_unknown_fields,
-        metrics_need_key=args.metrics_need_key)
+        metrics_need_key=args.metrics_need_key,
+        lora_modules=tuple(parse_lora_module(entry) for entry in args.lora_modules))
+    if config.lora_modules and not engine_config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
     if config.api_keys_file is not None:
         load_api_keys_file(config.api_keys_file)  # a bad file fails now, not after the model has loaded
     log.info("starting: %s; loading the model, then compiling its step programs",

@@ -36,6 +36,8 @@ def test_generate_on_the_builtin_model():
     (["serve", "--stream-timeout", "0"], "stream_timeout_s must be positive"),
     (["serve", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "unknown method"),
     (["serve", "--api-keys-file", "/nonexistent/keys.yaml"], "api keys file not found"),
+    (["serve", "--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["serve", "--enable-lora", "--lora-modules", "a"], "must be name=path"),
     (["serve", "--api-key", "k", "--api-keys-file", "/nonexistent/keys.yaml"], "exclude each other"),
     (["serve", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
     (["serve", "--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],

@@ -67,6 +67,13 @@ class LoadedModel:
     # The checkpoint's calibrated KV-cache scales, (K per layer, V per layer), which a float8 KV pool uses; None:
     # the checkpoint has none
     kv_cache_scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # The model as its checkpoint stores it (KV heads not repeated), what its LoRA adapters were trained on;
+    # None: the same as `config`
+    checkpoint_config: LlamaConfig | None = None
+
+    @property
+    def stored_config(self) -> LlamaConfig:
+        return self.checkpoint_config or self.config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +90,16 @@ class ModelPlan:
     read_params: Callable[[bool], nnx.State]  # reads the weights (its argument: show progress), as laid out here
     quantization: str | None = None  # the weight format as it runs, in words (see LoadedModel.quantization)
     kv_cache_scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # see LoadedModel.kv_cache_scales
+    checkpoint_config: LlamaConfig | None = None  # see LoadedModel.checkpoint_config
+
+    @property
+    def stored_config(self) -> LlamaConfig:
+        return self.checkpoint_config or self.config
 
     def load(self, progress: bool = True) -> LoadedModel:
         """Reads the weights onto the devices."""
         return LoadedModel(self.config, self.graphdef, self.read_params(progress), self.dtype, self.model_dir,
-                           self.source, self.mesh, self.quantization, self.kv_cache_scales)
+                           self.source, self.mesh, self.quantization, self.kv_cache_scales, self.checkpoint_config)
 
     def weight_bytes_per_device(self) -> int:
         """Bytes of the weight shards each device will hold (the largest share, where they differ)."""
@@ -154,7 +166,8 @@ def _plan(layout: TensorParallelLayout, dtype: np.dtype, quantization: str | Non
                                                                                         quantization))
 
     return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), dtype, model_dir, source,
-                     layout.mesh, read_params, online_quantization_name(quantization))
+                     layout.mesh, read_params, online_quantization_name(quantization),
+                     checkpoint_config=layout.checkpoint_config)
 
 
 def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, model_dir: Path,
@@ -173,7 +186,7 @@ def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, mo
     scales = kv_cache_scales(model_dir, layout.model_config.num_hidden_layers) if quantization.kv_cache_scales else None
     return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), dtype, model_dir,
                      "safetensors", layout.mesh, lambda progress: fill_params(placed, read_arrays(progress)),
-                     quantization.name, scales)
+                     quantization.name, scales, layout.checkpoint_config)
 
 
 def _ignoring_progress(read: Callable[[], dict[str, jax.Array]]) -> Callable[[bool], dict[str, jax.Array]]:

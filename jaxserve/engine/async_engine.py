@@ -1,9 +1,9 @@
 """`AsyncEngine`: the engine on a thread of its own, driven from asyncio without polling.
 
 Handlers call `generate()`, an async iterator over one request's deltas and its final output, and leave it early to
-abort the request. Commands (add, abort, ping, stop) reach the engine thread through a queue: the thread blocks on it
-while it has nothing to run and drains it between steps while it does. Results go back to the event loop with one
-`call_soon_threadsafe` per step, for all requests of the step together.
+abort the request. Commands (add, abort, ping, LoRA adapter changes, stop) reach the engine thread through a queue:
+the thread blocks on it while it has nothing to run and drains it between steps while it does. Results go back to
+the event loop with one `call_soon_threadsafe` per step, for all requests of the step together.
 
 A thread rather than a process: JAX releases the GIL while the device runs and the step's host work is small, so the
 HTTP handlers and the loop share the interpreter well, and no request or result has to be pickled between processes.
@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.errors import EngineDeadError, EngineStepError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class _Add:
     prompt_token_ids: tuple[int, ...]  # what the model sees
     params: SamplingParams  # how to sample
     prompt: str | None  # prompt text, when the request gave text
+    lora_request: LoRARequest | None  # its LoRA adapter; None: the base model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,13 @@ class _Abort:
 @dataclasses.dataclass(frozen=True)
 class _Ping:
     answer: asyncio.Future  # resolved with the scheduler's stats once the thread reads this command
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    method: str  # an LLMEngine method run on the engine thread between steps (add_lora, remove_lora)
+    argument: object  # its one argument
+    answer: asyncio.Future  # resolved with its result, or failed with its exception
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +99,14 @@ class AsyncEngine:
         await self._idle.wait()
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       prompt: str | None = None, priority: int | None = None) -> AsyncIterator[EngineEvent]:
+                       prompt: str | None = None, priority: int | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[EngineEvent]:
         """Yields the request's deltas, then its RequestOutput; leaving early (close, cancel) aborts the request.
 
         Raises InvalidRequestError when the engine refuses the request, EngineStepError when a step running it
         failed, EngineDeadError when the engine thread is gone. Use it under `contextlib.aclosing` so that the
         abort happens as soon as the caller leaves. `priority` (vLLM's keyword; None: `params.priority`) orders the
-        request under the priority scheduling policy.
+        request under the priority scheduling policy. `lora_request`: the LoRA adapter it runs with.
         """
         self._check_alive()
         if request_id in self._streams:
@@ -104,7 +114,8 @@ class AsyncEngine:
         events: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = events
         self._idle.clear()
-        self._commands.put(_Add(request_id, tuple(prompt_token_ids), params.with_priority(priority), prompt))
+        self._commands.put(_Add(request_id, tuple(prompt_token_ids), params.with_priority(priority), prompt,
+                                lora_request))
         try:
             while True:
                 event = await events.get()
@@ -116,6 +127,20 @@ class AsyncEngine:
         finally:
             if self._forget_stream(request_id):
                 self._commands.put(_Abort(request_id))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`LLMEngine.add_lora` on the engine thread (it reads the folder there); raises what it raises."""
+        return await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """`LLMEngine.remove_lora` on the engine thread: new requests can no longer use the adapter."""
+        return await self._call("remove_lora", lora_name)
+
+    async def _call(self, method: str, argument: object):
+        self._check_alive()
+        answer = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(method, argument, answer))
+        return await answer
 
     async def check_health(self, timeout: float) -> SchedulerStats:
         """Proves the engine thread takes commands (it answers between steps); raises EngineDeadError otherwise."""
@@ -161,13 +186,20 @@ class AsyncEngine:
         if isinstance(command, _Add):
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                        prompt=command.prompt, stream=True)
+                                        prompt=command.prompt, stream=True, lora_request=command.lora_request)
             except Exception as e:  # refused (InvalidRequestError) or broken: only this request hears of it
                 self._call_on_loop(self._deliver, [(command.request_id, e)])
         elif isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
         elif isinstance(command, _Ping):
             self._call_on_loop(_resolve, command.answer, self.engine.stats())
+        elif isinstance(command, _Call):
+            try:
+                result = getattr(self.engine, command.method)(command.argument)
+            except Exception as e:  # refused (a bad adapter folder): the caller hears of it, the engine goes on
+                self._call_on_loop(_fail, command.answer, e)
+            else:
+                self._call_on_loop(_resolve, command.answer, result)
 
     def _step(self) -> None:
         try:
@@ -212,3 +244,8 @@ class AsyncEngine:
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():  # a health check that timed out has cancelled its future
         future.set_result(value)
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -92,8 +92,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
         self.scheduler = Scheduler(self.config, proposer=DraftModelProposer(self.draft_runner) if draft else None)
         # The LoRA adapters served; None: enable_lora is off
-        self.loras = (LoraRegistry(model.config, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
-                      if config.enable_lora else None)
+        self.loras = (LoraRegistry(model.stored_config, model.config, config.max_lora_rank,
+                                   config.max_cpu_loras or config.max_loras) if config.enable_lora else None)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
         self._arrivals = itertools.count()

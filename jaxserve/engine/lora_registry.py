@@ -21,8 +21,12 @@ from jaxserve.model.config import LlamaConfig
 class LoraRegistry:
     """Adapters by name and id, and an LRU of those read."""
 
-    def __init__(self, model_config: LlamaConfig, max_lora_rank: int, max_cpu_loras: int):
-        self._model_config = model_config
+    def __init__(self, stored_config: LlamaConfig, running_config: LlamaConfig, max_lora_rank: int,
+                 max_cpu_loras: int):
+        """`stored_config`: the model as its checkpoint stores it, which adapters are checked against;
+        `running_config`: as it runs (KV heads repeated under tensor parallelism), which slots are shaped for."""
+        self._stored_config = stored_config
+        self._running_config = running_config
         self._max_rank = max_lora_rank
         self._max_cpu_loras = max_cpu_loras
         self._served: dict[str, LoRARequest] = {}  # name -> adapter, for new requests
@@ -63,10 +67,10 @@ class LoraRegistry:
         if adapter is None:
             adapter = self._read_adapter(self._of_id[lora_id])
         self._remember(lora_id, adapter)
-        return SlotWeights.of(adapter, self._model_config, self._max_rank)
+        return SlotWeights.of(adapter, self._running_config, self._max_rank)
 
     def _read_adapter(self, request: LoRARequest) -> LoraAdapter:
-        return load_lora_adapter(Path(request.lora_path), self._model_config, self._max_rank, request.lora_name)
+        return load_lora_adapter(Path(request.lora_path), self._stored_config, self._max_rank, request.lora_name)
 
     def _remember(self, lora_id: int, adapter: LoraAdapter) -> None:
         self._read[lora_id] = adapter

@@ -305,6 +305,19 @@ class DetokenizeBody(_Body):
     tokens: list[int] = Field(description="token ids to spell out (special tokens included)")
 
 
+class LoadLoraAdapterBody(_Body):
+    """POST /v1/load_lora_adapter, as vLLM's."""
+
+    lora_name: str = Field(min_length=1, description="the name requests give as their model")
+    lora_path: str = Field(min_length=1, description="the PEFT adapter folder, on the server's disk")
+
+
+class UnloadLoraAdapterBody(_Body):
+    """POST /v1/unload_lora_adapter, as vLLM's."""
+
+    lora_name: str = Field(min_length=1, description="the adapter's name")
+
+
 def parse_body(model: type[_Body], raw: bytes | str | dict, allow_unknown_fields: bool = False,
                max_items: int | None = None) -> _Body:
     """`raw` (JSON text, or an already parsed object) as `model`, with every refused field checked; anything wrong

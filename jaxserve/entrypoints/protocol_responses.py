@@ -167,6 +167,8 @@ class ModelCard(_Answer):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str  # the model's folder (a LoRA adapter's) or its name
+    parent: str | None  # a LoRA adapter's base model; None for the base model
     max_model_len: int
 
 

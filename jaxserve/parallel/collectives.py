@@ -13,7 +13,10 @@ import re
 from jaxserve.model.config import LlamaConfig
 
 # "%x = f32[2,512]{1,0} all-gather(...)" or its async "-start" form; group 1 is the result type, group 2 the op.
-_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+# One result type, or a tuple of them where XLA combined several collectives into one ("= (f32[..], f32[..])
+# all-reduce(").
+_COLLECTIVE = re.compile(
+    r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 
 
 def count_collectives(hlo: str) -> dict[str, int]:

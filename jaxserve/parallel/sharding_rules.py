@@ -14,6 +14,14 @@ stream after every lookup and need a reduction inside the logits. Norm weights a
 The decoder layers' parameters are stacked on a leading layer axis (`model.layers.mlp.up_proj.weight` is
 f[num_layers, out, in]); the rules are written for one layer's `[out, in]` and that axis is never split.
 
+A projection's LoRA adapter slots (model/lora.py's LoraStack: A f[layers, slots, r, in], B f[layers, slots, out, r])
+split as its weight does (`lora_partition_specs`), so each device's delta is its share of the projection's output:
+  - column-parallel (q/k/v, gate/up): B split over out, A replicated; each device computes the whole, small A @ x
+    f[T, slots, r] from the replicated input and its own rows of B @ (A @ x), no communication;
+  - row-parallel (o_proj, down_proj): A split over in, B replicated; each device's A @ x is a partial sum over its
+    input features, which XLA reduces before the replicated B applies, in the same (combined) all-reduce as the base
+    matmul's partial sums, so the adapters add bytes (T · slots · r) but no collective.
+
 The KV pool f[kv_heads, num_layers, num_pages, page_size, head_dim] is split over KV heads, so each device owns whole KV heads
 and the query heads that read them, and attention needs no communication at all. When a model has fewer KV heads
 than devices, each KV head is repeated at load time (rows of k_proj/v_proj), so the model runs with N KV heads.
@@ -90,6 +98,18 @@ def even_partition_spec(name: str, shape: tuple[int, ...], tensor_parallel_size:
     spec = param_partition_spec(name, len(shape) - is_stacked(name))
     return P(*(axis if axis is None or shape[dim] % tensor_parallel_size == 0 else None
                for dim, axis in enumerate(spec)))
+
+
+def lora_partition_specs(weight_name: str, weight_shape: tuple[int, ...], tensor_parallel_size: int,
+                         slot_axis: bool = True) -> tuple[P, P]:
+    """(A's, B's) partition for the LoRA slots of the stacked projection weight `weight_name` f[layers, out, in] of
+    `weight_shape`: A f[layers, slots, r, in] split on `in` and B f[layers, slots, out, r] split on `out` exactly as
+    the weight is (`even_partition_spec`), the rank and slot axes whole. Without `slot_axis`, for one slot's
+    weights: A f[layers, r, in] and B f[layers, out, r]."""
+    spec = tuple(even_partition_spec(weight_name, weight_shape, tensor_parallel_size))
+    _, out_axis, in_axis = spec + (None,) * (3 - len(spec))
+    slots = (None,) if slot_axis else ()
+    return P(None, *slots, None, in_axis), P(None, *slots, out_axis, None)
 
 
 def shard_shape(name: str, shape: tuple[int, ...], tensor_parallel_size: int) -> tuple[int, ...]:

@@ -34,14 +34,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxserve.checkpoint.lora_adapter import projection_shape
-from jaxserve.checkpoint.lora_config import PROJECTIONS
 from jaxserve.checkpoint.lora_slots import SlotWeights
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_quantization import kv_pool_dtype
-from jaxserve.model.lora import LoraStack, empty_lora_stack, with_slot
 from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.parallel import KV_POOL_SPEC, logits_partition_spec, make_tp_mesh
 from jaxserve.parallel.process_group import abort_group
@@ -50,6 +47,7 @@ from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.input_rows import InputRows
 from jaxserve.runner.lockstep import StepChannel, spans_processes
+from jaxserve.runner.lora_slots import DeviceLoraSlots
 from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
 from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors
 from jaxserve.runner.speculative import VerifiedDrafts, build_draft_arrays
@@ -180,9 +178,9 @@ class ModelRunner:
         logits_shardings = LogitsShardings(
             computed=NamedSharding(self.mesh, logits_partition_spec(model_config.vocab_size, self.mesh)),
             sampled=self._replicated)
-        # The adapter slots (slot 0: none), replaced whole by each write; None: the engine serves no adapters.
-        self.lora: LoraStack | None = self._empty_lora_stack() if config.enable_lora else None
-        self._lora_writer: jax.stages.Compiled | None = None  # compiled by warm_up
+        # The LoRA adapter slots on the devices; None: the engine serves no adapters.
+        self.lora = (DeviceLoraSlots(model_config, self.mesh, config.max_loras, config.max_lora_rank, dtype)
+                     if config.enable_lora else None)
         self._jitted = jax.jit(functools.partial(run_packed_step, graphdef, logits_shardings=logits_shardings),
                                static_argnames=("layout", "num_top_logprobs"), donate_argnames="pool",
                                out_shardings=(self._replicated, self._pool_leaf_shardings()))
@@ -196,26 +194,10 @@ class ModelRunner:
         if self._channel is not None and self.lora is not None:
             raise ConfigError("LoRA adapters (enable_lora) do not run on a mesh over several processes yet")
 
-    def _empty_lora_stack(self) -> LoraStack:
-        cfg = self.model_config
-        shapes = {p: projection_shape(cfg, p) for p in PROJECTIONS}
-        stack = empty_lora_stack(shapes, cfg.num_hidden_layers, self.config.max_loras + 1, self.config.max_lora_rank,
-                                 self.dtype)
-        # Replicated: each device adds every token's whole delta to its share of the projection's output.
-        return jax.device_put(stack, self._replicated)
-
     def write_lora_slot(self, slot: int, weights: SlotWeights) -> None:
         """Puts one adapter (or an empty slot's zeros) into `slot` for the steps dispatched from now on; a step
         already in flight keeps the slots it was given (the write makes new arrays)."""
-        if not 1 <= slot <= self.config.max_loras:
-            raise ValueError(f"LoRA slot {slot} is not in 1..{self.config.max_loras}")
-        self.lora = self._lora_writer(self.lora, np.int32(slot), dict(weights.a), dict(weights.b))
-
-    def _compile_lora_writer(self) -> None:
-        empty = SlotWeights.of(None, self.model_config, self.config.max_lora_rank)
-        with self.guard.watch():
-            self._lora_writer = jax.jit(with_slot, out_shardings=self._replicated).lower(
-                self.lora, np.int32(1), dict(empty.a), dict(empty.b)).compile()
+        self.lora.write(slot, weights)
 
     def largest_step_workspace_bytes(self, num_pages: int = 2) -> int:
         """Temporary memory of the largest step (all tokens, all rows, full sampler) on one device, from XLA's
@@ -271,7 +253,7 @@ class ModelRunner:
                 self._programs[compiling[done]] = done.result()
                 compiled_bar.update()
         if self.lora is not None:
-            self._compile_lora_writer()
+            self.lora.compile_writer(self.guard)
         self.warmup_stats = WarmupStats(len(buckets), lower_seconds, time.perf_counter() - started)
         if self._channel is not None:
             with self.guard.watch():
@@ -281,7 +263,7 @@ class ModelRunner:
     def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
         layout = self._layout(bucket)
         packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._replicated)
-        lora = jax.tree.map(_abstract, self.lora)
+        lora = jax.tree.map(_abstract, self.lora.stack) if self.lora is not None else None
         return self._jitted.lower(self._abstract_params, self._pool_shape(num_pages), self._last_tokens, packed, lora,
                                   layout=layout, num_top_logprobs=self.config.max_logprobs)
 
@@ -357,7 +339,8 @@ class ModelRunner:
         """Launches the bucket's program on the pool; the same call on every process of a lockstep group."""
         with jax.profiler.TraceAnnotation("step"):
             packed = self.transfer(bucket, host_arrays)
-            result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, packed, self.lora)
+            lora = self.lora.stack if self.lora is not None else None
+            result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, packed, lora)
         self.bucket_counts[bucket] += 1
         self._last_tokens = result.last_tokens
         return result

@@ -19,6 +19,7 @@ from jaxserve.server.api_errors import ApiError, register_error_handlers
 from jaxserve.server.api_keys import ApiKeys, api_keys_from_config, bearer_token, remember_key
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.served_models import ServedAdapters, ServedModel
 from jaxserve.server.slow_clients import dropping_slow_clients
 from jaxserve.tokenizer import Tokenizer
 
@@ -40,6 +41,8 @@ class ServerContext:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))  # start time, shown by /v1/models
     profiling: bool = False  # a JAX profiler trace is being recorded (/start_profile until /stop_profile)
     clock: Callable[[], float] = time.monotonic  # the quotas' rate windows run on it (tests pass one they move)
+    # The LoRA adapters requests may name (--lora-modules, /v1/load_lora_adapter); empty without --enable-lora
+    adapters: ServedAdapters = dataclasses.field(default_factory=ServedAdapters)
     metrics: ServerMetrics = dataclasses.field(init=False)  # this app's Prometheus registry, served by /metrics
     admission: Admission = dataclasses.field(init=False)  # admitted sequences against the engine's batch + queue
     # The keys requests must bring, with their quotas (--api-key or --api-keys-file); None: the server is open
@@ -68,7 +71,8 @@ class ServerContext:
 
 
 def create_app(context: ServerContext) -> Quart:
-    from jaxserve.server import chat, completions, ops, tokenizer_routes  # they import this module for server_context
+    # They import this module for server_context.
+    from jaxserve.server import chat, completions, lora_routes, ops, tokenizer_routes
 
     app = Quart("jaxserve", static_folder=None)  # an API: no /static route
     app.asgi_app = releasing_admissions(dropping_slow_clients(app.asgi_app, context.config.stream_timeout_s),
@@ -81,7 +85,7 @@ def create_app(context: ServerContext) -> Quart:
     app.before_serving(_start_engine)
     app.after_serving(_stop_engine)
     app.after_serving(_stop_workers)
-    for routes in (completions, chat, tokenizer_routes, ops):
+    for routes in (completions, chat, tokenizer_routes, lora_routes, ops):
         app.register_blueprint(routes.blueprint)
     return app
 
@@ -107,12 +111,18 @@ async def request_bytes() -> bytes:
     return await request.get_data(as_text=False)
 
 
-def check_model(model: str | None, context: ServerContext) -> None:
-    """Requests must name a served model (or leave it out, as some clients do); another name is a 404."""
+def resolve_model(model: str | None, context: ServerContext) -> ServedModel:
+    """Requests must name the served model (or leave it out, as some clients do) or one of its LoRA adapters;
+    another name is a 404."""
     names = context.config.served_model_names
-    if model is not None and model not in names:
+    if model is None or model in names:
+        return ServedModel(context.config.served_model_name, None)
+    lora = context.adapters.get(model)
+    if lora is None:
+        served = [*names, *(adapter.lora_name for adapter in context.adapters.all())]
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{', '.join(map(repr, names))}", param="model", kind="not_found_error")
+                            f"{', '.join(map(repr, served))}", param="model", kind="not_found_error")
+    return ServedModel(model, lora)
 
 
 async def _check_api_key() -> None:

@@ -24,10 +24,11 @@ from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import streamed_response
-from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
+from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.quotas import TokenTally
 from jaxserve.server.request_fields import check_constraint, check_limits, conversation_prompt, flag, include_usage
+from jaxserve.server.served_models import ServedModel
 from jaxserve.server.streams import final_outputs, merged_events
 from jaxserve.tokenizer import Tokenizer
 
@@ -43,6 +44,7 @@ class ChatRequest:
     stream: bool  # answer as server-sent events
     include_usage: bool  # streaming: a last event with the usage
     tool_calling: ToolCalling | None  # the tools offered and how they may be called; None without tools
+    model: ServedModel  # the base model or the LoRA adapter it runs with
 
     @property
     def reads_calls(self) -> bool:
@@ -57,14 +59,14 @@ async def create_chat_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_chat_request, await request_bytes(), context)
     tally = admit(context, request.params.n, len(request.prompt.token_ids), request.params.max_tokens)
-    model = context.config.served_model_name
+    model = request.model.name
     if request.stream:
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         # OpenAI's first event of every choice names the speaker, with no text yet.
         roles = [chat_completion_chunk(chunk_id, created, model, index, {"role": "assistant", "content": ""}, None,
                                        None, None) for index in range(request.params.n)]
         return await streamed_response(_chat_chunks(context, request, tally, chunk_id, created, model), roles)
-    [output] = await final_outputs(context, [request.prompt], request.params, tally)
+    [output] = await final_outputs(context, [request.prompt], request.params, tally, request.model.lora)
     return jsonify(chat_completion_body(output, model, request.params.logprobs or 0, context.tokenizer,
                                         request.tool_calling))
 
@@ -74,7 +76,7 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
     built (on a worker thread)."""
     body = parse_body(ChatCompletionRequestBody, raw, context.config.allow_unknown_fields,
                       context.max_model_len)
-    check_model(body.model, context)
+    model = resolve_model(body.model, context)
     fields = body.model_dump(exclude_none=True)
     tool_calling = checked_tool_calling(fields, context.engine.engine.grammars)
     prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
@@ -86,7 +88,7 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
     asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if getattr(body, asked) is not None:
         check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, asked)
-    return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields), tool_calling)
+    return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields), tool_calling, model)
 
 
 async def _chat_chunks(context: ServerContext, request: ChatRequest, tally: TokenTally, chunk_id: str, created: int,
@@ -94,7 +96,8 @@ async def _chat_chunks(context: ServerContext, request: ChatRequest, tally: Toke
     finished: list[RequestOutput] = []
     readers = ([ToolCallParser(request.tool_calling) for _ in range(request.params.n)] if request.reads_calls
                else None)
-    async with contextlib.aclosing(merged_events(context, [request.prompt], request.params, tally)) as events:
+    async with contextlib.aclosing(merged_events(context, [request.prompt], request.params, tally,
+                                                 request.model.lora)) as events:
         async for _, event in events:
             if isinstance(event, RequestOutput):
                 finished.append(event)

@@ -21,10 +21,11 @@ from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import ApiError, streamed_response
-from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
+from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.quotas import TokenTally
 from jaxserve.server.request_fields import check_constraint, check_limits, flag, include_usage
+from jaxserve.server.served_models import ServedModel
 from jaxserve.server.streams import final_outputs, merged_events
 
 blueprint = Blueprint("completions", __name__)
@@ -40,6 +41,7 @@ class CompletionRequest:
     prompt_only: bool  # max_tokens 0 with echo: one token is generated (the engine needs one) and dropped
     stream: bool  # answer as server-sent events
     include_usage: bool  # streaming: a last event with the usage
+    model: ServedModel  # the base model or the LoRA adapter it runs with
 
 
 @blueprint.post("/v1/completions")
@@ -49,12 +51,12 @@ async def create_completion() -> Response:
     request = await context.off_loop(parse_completion_request, await request_bytes(), context)
     tally = admit(context, len(request.prompts) * request.params.n,
                   sum(len(prompt.token_ids) for prompt in request.prompts), request.params.max_tokens)
-    model = context.config.served_model_name
+    model = request.model.name
     if request.stream:
         chunk_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echoed = _echo_chunks(context, request, chunk_id, created, model) if request.echo else []
         return await streamed_response(_completion_chunks(context, request, tally, chunk_id, created, model), echoed)
-    outputs = await final_outputs(context, request.prompts, request.params, tally)
+    outputs = await final_outputs(context, request.prompts, request.params, tally, request.model.lora)
     if request.prompt_only:
         outputs = [_without_generated(output) for output in outputs]
     return jsonify(completion_body(outputs, model, echo_tokenizer=context.tokenizer if request.echo else None))
@@ -64,7 +66,7 @@ def parse_completion_request(raw: bytes, context: ServerContext) -> CompletionRe
     """The body checked against its schema, its prompts tokenized and checked, its sampling settings built (on a
     worker thread: tokenizing can take milliseconds)."""
     body = parse_body(CompletionRequestBody, raw, context.config.allow_unknown_fields, context.max_model_len)
-    check_model(body.model, context)
+    model = resolve_model(body.model, context)
     fields = body.model_dump(exclude_none=True)
     prompts = _prompts(body.prompt, context, add_special_tokens=flag(fields, "add_special_tokens", default=True))
     echo, stream = flag(fields, "echo"), flag(fields, "stream")
@@ -80,7 +82,7 @@ def parse_completion_request(raw: bytes, context: ServerContext) -> CompletionRe
     if not prompt_only:
         for prompt in prompts:
             check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, "max_tokens")
-    return CompletionRequest(prompts, params, echo, prompt_only, stream, include_usage(fields))
+    return CompletionRequest(prompts, params, echo, prompt_only, stream, include_usage(fields), model)
 
 
 def _prompts(prompt: Any, context: ServerContext, add_special_tokens: bool) -> list[TokenizedPrompt]:
@@ -108,7 +110,8 @@ async def _completion_chunks(context: ServerContext, request: CompletionRequest,
                              created: int, model: str) -> AsyncIterator[dict[str, Any]]:
     n = request.params.n
     finished: list[RequestOutput] = []
-    async with contextlib.aclosing(merged_events(context, request.prompts, request.params, tally)) as events:
+    async with contextlib.aclosing(merged_events(context, request.prompts, request.params, tally,
+                                                 request.model.lora)) as events:
         async for i, event in events:
             if isinstance(event, RequestOutput):
                 finished.append(event)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from jaxserve.errors import ConfigError
@@ -31,6 +32,8 @@ class ServerConfig:
     profile_dir: Path | None = None  # where /start_profile writes JAX profiler traces; None disables the routes
     metrics_need_key: bool = False  # /metrics asks for the API key too (it stays open by default, for scrapers)
     allow_unknown_fields: bool = False  # drop request fields no one declared instead of answering 400
+    # (name, folder) of each LoRA adapter to serve from the start (--lora-modules); needs the engine's enable_lora
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     @property
     def served_model_name(self) -> str:
@@ -51,8 +54,32 @@ class ServerConfig:
         if self.api_key is not None and self.api_keys_file is not None:
             raise ConfigError("api_key and api_keys_file exclude each other: list every key in the file (a key "
                               "with no limits is a key with only `name` and `key`)")
+        names = [name for name, _ in self.lora_modules]
+        clashes = sorted(set(n for n in names if names.count(n) > 1 or n in self.served_model_names))
+        if clashes:
+            raise ConfigError(f"LoRA module name {clashes[0]!r} is given twice or names the served model")
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s!r}")
         for name in ("health_timeout_s", "stream_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry, in either of vLLM's forms: `name=path`, or JSON `{"name": ..., "path": ...}` (with
+    an optional `base_model_name`, which is not checked)."""
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--lora-modules entry {text!r} is not valid JSON: {e}") from None
+        unknown = set(entry) - {"name", "path", "base_model_name"} if isinstance(entry, dict) else set()
+        if not isinstance(entry, dict) or unknown or not all(isinstance(entry.get(k), str) and entry[k]
+                                                             for k in ("name", "path")):
+            raise ConfigError(f"--lora-modules entry {text!r} must be an object with a non-empty name and path "
+                              "(and optionally base_model_name)")
+        return entry["name"], entry["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(f"--lora-modules entry {text!r} must be name=path or a JSON object")
+    return name, path

@@ -11,8 +11,9 @@ import jax
 from quart import Blueprint, Response, current_app, jsonify
 
 from jaxserve.entrypoints.protocol_responses import ModelCard, ModelList
+from jaxserve.lora_request import LoRARequest
 from jaxserve.server.api_errors import ApiError
-from jaxserve.server.app import ServerContext, check_model, server_context
+from jaxserve.server.app import ServerContext, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares, openapi_document
 
 blueprint = Blueprint("ops", __name__)
@@ -48,23 +49,31 @@ async def version() -> Response:
 @blueprint.get("/v1/models")
 @declares(RouteSchema(response=ModelList))
 async def list_models() -> Response:
-    """The served model, under each of its names."""
+    """The served model, under each of its names, then its LoRA adapters."""
     context = server_context()
-    return jsonify({"object": "list", "data": [_model_card(context, name) for name in context.config.served_model_names]})
+    cards = [_model_card(context, name) for name in context.config.served_model_names]
+    cards += [_adapter_card(context, lora) for lora in context.adapters.all()]
+    return jsonify({"object": "list", "data": cards})
 
 
 @blueprint.get("/v1/models/<path:model_id>")
 @declares(RouteSchema(response=ModelCard))
 async def retrieve_model(model_id: str) -> Response:
-    """One model by its id (one of the served model's names, else 404)."""
+    """One model by its id (one of the served model's names or adapters, else 404)."""
     context = server_context()
-    check_model(model_id, context)
-    return jsonify(_model_card(context, model_id))
+    served = resolve_model(model_id, context)
+    return jsonify(_model_card(context, model_id) if served.lora is None else _adapter_card(context, served.lora))
 
 
 def _model_card(context: ServerContext, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": context.created,
-            "owned_by": "jaxserve", "max_model_len": context.max_model_len}
+    return {"id": name, "object": "model", "created": context.created, "owned_by": "jaxserve",
+            "root": name, "parent": None, "max_model_len": context.max_model_len}
+
+
+def _adapter_card(context: ServerContext, lora: LoRARequest) -> dict[str, Any]:
+    """As vLLM lists an adapter: its folder as root, the served model as parent."""
+    return {**_model_card(context, lora.lora_name), "root": lora.lora_path,
+            "parent": context.config.served_model_name}
 
 
 @blueprint.post("/start_profile")

@@ -42,6 +42,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         return 0
     context = ServerContext(engine=AsyncEngine(llm.engine), tokenizer=llm.tokenizer, config=config,
                             max_model_len=llm.max_model_len, vocab_size=llm.model.config.vocab_size)
+    add_lora_modules(context)
     context.tokenizer.longest_token_bytes  # measured once now, not on the first request
     # The millions of objects start-up leaves (JAX, the model, compiled programs) live as long as the server: frozen,
     # the collector stops walking them, so a request that allocates many objects does not stall every other one
@@ -51,6 +52,14 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     asyncio.run(_serve(context))
     llm.release_followers()
     return 0
+
+
+def add_lora_modules(context: ServerContext) -> None:
+    """Reads the --lora-modules adapters before the engine thread starts: a bad folder fails start-up."""
+    for name, path in context.config.lora_modules:
+        lora = context.adapters.new_request(name, path)
+        context.engine.engine.add_lora(lora)
+        context.adapters.add(lora)
 
 
 async def _serve(context: ServerContext) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from jaxserve.engine.async_engine import EngineEvent
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.errors import JaxserveError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.quotas import TokenTally
@@ -28,9 +29,9 @@ _END = object()  # a prompt's stream ended
 
 
 async def merged_events(context: ServerContext, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
-                        tally: TokenTally) -> AsyncIterator[tuple[int, EngineEvent]]:
+                        tally: TokenTally, lora: LoRARequest | None = None) -> AsyncIterator[tuple[int, EngineEvent]]:
     """Every prompt's events as they come, tagged with the prompt's index; the first failure ends them all. Generated
-    tokens are counted into `tally` (admission's) as they arrive.
+    tokens are counted into `tally` (admission's) as they arrive. `lora`: the adapter every prompt runs with.
 
     Leaving early (the client went away) cancels the per-prompt tasks, which aborts their requests in the engine.
     """
@@ -42,7 +43,7 @@ async def merged_events(context: ServerContext, prompts: Sequence[TokenizedPromp
     async def pump(index: int, prompt: TokenizedPrompt) -> None:
         try:
             async with contextlib.aclosing(context.engine.generate(f"{base}-{index}", prompt.token_ids, params,
-                                                                   prompt=prompt.text)) as events:
+                                                                   prompt=prompt.text, lora_request=lora)) as events:
                 async for event in events:
                     observers[index].observe(event)
                     if isinstance(event, CompletionDelta):
@@ -74,10 +75,10 @@ async def merged_events(context: ServerContext, prompts: Sequence[TokenizedPromp
 
 
 async def final_outputs(context: ServerContext, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
-                        tally: TokenTally) -> list[RequestOutput]:
+                        tally: TokenTally, lora: LoRARequest | None = None) -> list[RequestOutput]:
     """Each prompt's finished RequestOutput, in prompt order."""
     outputs: dict[int, RequestOutput] = {}
-    async with contextlib.aclosing(merged_events(context, prompts, params, tally)) as events:
+    async with contextlib.aclosing(merged_events(context, prompts, params, tally, lora)) as events:
         async for index, event in events:
             if isinstance(event, RequestOutput):
                 outputs[index] = event

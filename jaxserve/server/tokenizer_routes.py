@@ -13,7 +13,7 @@ from jaxserve.entrypoints.prompts import encode_text
 from jaxserve.entrypoints.protocol import (DetokenizeBody, TokenizeChatBody, TokenizeCompletionBody, parse_body,
                                            parse_json_object)
 from jaxserve.entrypoints.protocol_responses import DetokenizeResponse, TokenizeResponse
-from jaxserve.server.app import ServerContext, check_model, request_bytes, server_context
+from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.request_fields import conversation_prompt, flag
 
@@ -56,19 +56,19 @@ def _tokens_of(raw: bytes, context: ServerContext) -> list[int]:
     value = parse_json_object(raw)
     if "messages" in value:
         body = parse_body(TokenizeChatBody, value, context.config.allow_unknown_fields, context.max_model_len)
-        check_model(body.model, context)
+        resolve_model(body.model, context)
         fields = body.model_dump(exclude_none=True)
         prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
                                      tools=fields.get("tools"))
         return list(prompt.token_ids)
     body = parse_body(TokenizeCompletionBody, value, context.config.allow_unknown_fields, context.max_model_len)
-    check_model(body.model, context)
+    resolve_model(body.model, context)
     context.check_text_fits([body.prompt], "prompt")
     return encode_text(context.tokenizer, body.prompt, body.add_special_tokens is not False)
 
 
 def _text_of(raw: bytes, context: ServerContext) -> str:
     body = parse_body(DetokenizeBody, raw, context.config.allow_unknown_fields, context.max_model_len)
-    check_model(body.model, context)
+    resolve_model(body.model, context)
     check_token_ids(body.tokens, context.tokenizer.vocab_size, param="tokens")
     return context.tokenizer.decode(body.tokens, skip_special_tokens=False)

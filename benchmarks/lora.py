@@ -1,9 +1,15 @@
 """What serving LoRA adapters costs: generated tokens/s of one batch on the base model against the same batch spread
 over several adapters, on one engine, in one run.
 
+Model: --model (a checkpoint folder), or --model-shape: the built-in tiny model (the default) or random weights of
+Llama-3.1-8B's shapes, built on the device, so that a GPU without weights runs it. The weights are read once and
+both engines run the same arrays (a step donates only its KV pool): two 8B engines take 16 GB of weights, not 32.
+Each engine's pool holds --num-kv-pages pages, by default max_num_seqs sequences of max_model_len (never sized from
+free memory, which would leave the second engine none).
+
 Workload (seeded, fresh each round, the same for every variant of a round): --num-requests prompts of --prompt-len
-random token ids, each generating --max-tokens tokens (greedy, ignore_eos), submitted at once through `LLM.generate`,
-whose wall clock is the timed span. Variants:
+random token ids, each generating --max-tokens tokens (greedy, ignore_eos), all added to the engine at once; the
+timed span runs from the first `add_request` to the step that finishes the last request. Variants:
 
     base      an engine with enable_lora (max_loras = --num-adapters, max_lora_rank = --rank), every request on the
               base model (lora_request None)
@@ -19,7 +25,7 @@ per token, slot writes). The device cost of the adapter path is base / lora-off:
 the projections' width, so the built-in tiny model (hidden 64, with 5 slots x rank 16 = 80 rows of A per projection)
 pays far more than a real model would. On a CPU, though, the built-in model's step is bound by host work (a few ms
 of scheduling and dispatch per step), so its ratios stay near 1 and load from other processes decides their spread.
-`lora-off` compiles programs of its own (start-up time is reported).
+`lora-off` compiles programs of its own (start-up time is reported); --no-lora-off leaves it out, halving start-up.
 
 Each variant runs one untimed warm-up (it writes the adapters into their slots, which stay there: there are as many
 slots as adapters); then `--rounds` rounds alternate the variants, the starting one rotating each round. Ratios are
@@ -28,8 +34,9 @@ adapters must change them (`adapters_change_outputs`, the share of requests whos
 base model must give the same tokens with LoRA on and off (`base_same_as_lora_off`).
 
     python benchmarks/lora.py --out lora.json                       # PNG beside it when matplotlib imports
-    python benchmarks/lora.py --model /models/llama-3.1-8b --dtype bfloat16 --num-kv-pages 4096 --max-num-seqs 64 \
-        --max-num-batched-tokens 2048 --num-requests 256 --prompt-len 512 --max-tokens 256 --out lora.json  # a GPU
+    python benchmarks/lora.py --model-shape llama-3.1-8b --max-num-seqs 64 --max-num-batched-tokens 2048 \
+        --num-requests 256 --prompt-len 512 --max-tokens 256 --out lora.json  # a GPU, random 8B weights in bf16
+    python benchmarks/lora.py --model /models/llama-3.1-8b ...      # a checkpoint's weights instead
 """
 
 from __future__ import annotations
@@ -46,11 +53,16 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve import LoRARequest, SamplingParams
+from jaxserve.checkpoint import LoadedModel, load_model
 from jaxserve.checkpoint.lora_config import PROJECTIONS
 from jaxserve.checkpoint.random_lora import write_random_lora_adapter
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.model.config import LlamaConfig
+from jaxserve.tokenizer import Tokenizer, load_tokenizer
 from bench_machine import machine_description
+from model_shapes import ENGINE_SHAPES, model_of_shape
 
 BASE, ADAPTERS, LORA_OFF = "base", "adapters", "lora-off"
 LORA_ON_ENGINE, LORA_OFF_ENGINE = "lora-on", "lora-off"
@@ -62,22 +74,27 @@ WARM_UP_ROUND = 0  # workload index of the untimed warm-up; timed rounds use 1..
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None, help="HF or converted model folder (default: built-in)")
-    parser.add_argument("--dtype", default="auto", help="weights and activations (auto: float32 on the CPU)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", type=Path, default=None, help="HF or converted model folder (default: --model-shape)")
+    model.add_argument("--model-shape", choices=ENGINE_SHAPES, default="builtin",
+                       help="builtin: the built-in tiny model; llama-3.1-8b: random weights of its shapes")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights and activations (auto: the checkpoint's or shape's dtype, float32 on the CPU)")
     parser.add_argument("--num-requests", type=int, default=64, help="prompts in the batch")
     parser.add_argument("--prompt-len", type=int, default=64, help="random token ids per prompt")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates")
     parser.add_argument("--num-adapters", type=int, default=4, help="adapters the requests spread over; max_loras")
     parser.add_argument("--rank", type=int, default=16, help="rank of every adapter; max_lora_rank")
     parser.add_argument("--lora-off", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the base-only batch on an engine without enable_lora (compiles its programs)")
+                        help="also run the base-only batch on an engine without enable_lora (compiles its programs; "
+                             "--no-lora-off: one engine, half the start-up)")
     parser.add_argument("--rounds", type=int, default=7, help="timed runs per variant, alternated")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=None, help="default: --prompt-len plus --max-tokens")
     parser.add_argument("--num-kv-pages", type=int, default=None,
-                        help="KV pool pages per engine (default: the engine's sizing; on a GPU with --lora-off give "
-                             "it, so that both engines fit)")
+                        help="KV pool pages per engine, the null page included (default: --max-num-seqs sequences "
+                             "of --max-model-len)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the adapters' weights")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None,
@@ -99,11 +116,10 @@ def variant_names(args: argparse.Namespace) -> list[str]:
 
 # --- workload and adapters -----------------------------------------------------------------------------------------
 
-def make_prompts(args: argparse.Namespace, index: int, vocab_size: int) -> list[dict[str, list[int]]]:
+def make_prompts(args: argparse.Namespace, index: int, vocab_size: int) -> list[list[int]]:
     """The index-th seeded batch of random prompts, as token ids."""
     rng = np.random.default_rng([args.seed, index])
-    return [{"prompt_token_ids": [int(t) for t in rng.integers(0, vocab_size, args.prompt_len)]}
-            for _ in range(args.num_requests)]
+    return [[int(t) for t in rng.integers(0, vocab_size, args.prompt_len)] for _ in range(args.num_requests)]
 
 
 def write_adapters(folder: Path, config: LlamaConfig, args: argparse.Namespace) -> list[LoRARequest]:
@@ -128,7 +144,7 @@ def round_robin(adapters: Sequence[LoRARequest], count: int) -> list[LoRARequest
 class RunResult:
     """One batch through one engine; outputs in prompt order."""
 
-    wall_s: float  # wall clock of llm.generate
+    wall_s: float  # from the first add_request to the step that finished the last request
     generated_tokens: int
     steps: int  # engine steps the batch took
     outputs: tuple[tuple[int, ...], ...]  # each request's generated token ids
@@ -142,59 +158,86 @@ class RunResult:
         return self.wall_s / self.steps * 1e3
 
 
-def start_engine(args: argparse.Namespace, enable_lora: bool) -> tuple[LLM, float]:
-    """An engine of the benchmark's limits, with or without adapter slots, and its start-up seconds."""
+def load_benchmark_model(args: argparse.Namespace) -> LoadedModel:
+    """--model's weights, or --model-shape's model; read once, both engines run it."""
+    if args.model is not None:
+        return load_model(args.model, args.dtype, progress=False)
+    return model_of_shape(args.model_shape, args.dtype, args.seed)
+
+
+def model_name(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return str(args.model)
+    return "built-in tiny random model" if args.model_shape == "builtin" else f"random {args.model_shape}"
+
+
+def engine_config(args: argparse.Namespace, model: LoadedModel, enable_lora: bool) -> EngineConfig:
+    """The benchmark's limits, with or without adapter slots; --num-kv-pages pages, or max_num_seqs full sequences."""
     lora = dict(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank) if enable_lora else {}
-    started = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_pages=args.num_kv_pages, seed=args.seed,
-              use_tqdm_on_load=False, **lora)
-    return llm, time.perf_counter() - started
+    config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, **lora)
+    pages = args.num_kv_pages
+    if pages is None:
+        pages = args.max_num_seqs * -(-args.max_model_len // config.block_size) + 1
+    return config.with_model_limit(model.config.max_position_embeddings).with_pool(pages)
 
 
-def start_engines(args: argparse.Namespace) -> tuple[dict[str, LLM], dict[str, float]]:
-    """The engines by ENGINE_OF's names (lora-off only with --lora-off) and each one's start-up seconds."""
+def start_engines(args: argparse.Namespace, model: LoadedModel,
+                  tokenizer: Tokenizer) -> tuple[dict[str, LLMEngine], dict[str, float]]:
+    """The engines by ENGINE_OF's names (lora-off only with --lora-off), all on `model`'s weights, and each one's
+    start-up seconds (compiling its step programs)."""
     engines, startup_s = {}, {}
     for name in dict.fromkeys(ENGINE_OF[variant] for variant in variant_names(args)):
-        engines[name], startup_s[name] = start_engine(args, enable_lora=name == LORA_ON_ENGINE)
-        print(f"{name} engine ready in {startup_s[name]:.1f} s", flush=True)
+        started = time.perf_counter()
+        engines[name] = LLMEngine(model, tokenizer, engine_config(args, model, name == LORA_ON_ENGINE),
+                                  progress=False)
+        startup_s[name] = time.perf_counter() - started
+        print(f"{name} engine ready in {startup_s[name]:.1f} s ({engines[name].startup_stats.programs} programs)",
+              flush=True)
     return engines, startup_s
 
 
-def run_batch(llm: LLM, prompts: list[dict], params: SamplingParams,
-              loras: list[LoRARequest] | None) -> RunResult:
-    """The whole batch through `llm.generate`, timed."""
-    steps_before = llm.engine.stats().num_steps
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+              loras: list[LoRARequest | None], tag: str) -> RunResult:
+    """The whole batch added at once, stepped until every request has finished; timed."""
+    steps_before = engine.stats().num_steps
+    ids = [f"{tag}-{index}" for index in range(len(prompts))]
+    outputs: dict[str, tuple[int, ...]] = {}
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    for request_id, prompt, lora in zip(ids, prompts, loras):
+        engine.add_request(request_id, prompt, params, lora_request=lora)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = tuple(output.outputs[0].token_ids)
     wall_s = time.perf_counter() - started
-    token_ids = tuple(tuple(o.outputs[0].token_ids) for o in outputs)
+    token_ids = tuple(outputs[request_id] for request_id in ids)
     return RunResult(wall_s=wall_s, generated_tokens=sum(map(len, token_ids)),
-                     steps=llm.engine.stats().num_steps - steps_before, outputs=token_ids)
+                     steps=engine.stats().num_steps - steps_before, outputs=token_ids)
 
 
-def run_variant(variant: str, engines: dict[str, LLM], prompts: list[dict], adapters: list[LoRARequest],
-                params: SamplingParams) -> RunResult:
+def run_variant(variant: str, engines: dict[str, LLMEngine], prompts: list[list[int]],
+                adapters: list[LoRARequest], params: SamplingParams, tag: str) -> RunResult:
     """One variant's run: its engine, and the adapters round-robin for `adapters`, else the base model."""
-    loras = round_robin(adapters, len(prompts)) if variant == ADAPTERS else None
-    return run_batch(engines[ENGINE_OF[variant]], prompts, params, loras)
+    loras = round_robin(adapters, len(prompts)) if variant == ADAPTERS else [None] * len(prompts)
+    return run_batch(engines[ENGINE_OF[variant]], prompts, params, loras, tag)
 
 
-def run_rounds(engines: dict[str, LLM], adapters: list[LoRARequest],
+def run_rounds(engines: dict[str, LLMEngine], adapters: list[LoRARequest],
                args: argparse.Namespace) -> dict[str, list[RunResult]]:
     """One untimed warm-up per variant, then `rounds` rounds alternating the variants over each round's prompts."""
     variants = variant_names(args)
-    vocab_size = engines[LORA_ON_ENGINE].model.config.vocab_size
+    vocab_size = engines[LORA_ON_ENGINE].vocab_size
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     warm_up = make_prompts(args, WARM_UP_ROUND, vocab_size)
     for variant in variants:
-        run_variant(variant, engines, warm_up, adapters, params)
+        run_variant(variant, engines, warm_up, adapters, params, f"warm-up-{variant}")
     results: dict[str, list[RunResult]] = {variant: [] for variant in variants}
     for round_index in range(1, args.rounds + 1):
         prompts = make_prompts(args, round_index, vocab_size)
         shift = (round_index - 1) % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            results[variant].append(run_variant(variant, engines, prompts, adapters, params))
+            results[variant].append(run_variant(variant, engines, prompts, adapters, params,
+                                                f"round{round_index}-{variant}"))
             print(f"round {round_index} {variant:<9} {results[variant][-1].tokens_per_s:8.1f} generated tok/s",
                   flush=True)
     return results
@@ -293,17 +336,21 @@ def plot(summary: dict[str, Any], title: str, path: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    engines, startup_s = start_engines(args)
+    model = load_benchmark_model(args)
+    engines, startup_s = start_engines(args, model, load_tokenizer(model.model_dir))
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as folder:
-        adapters = write_adapters(Path(folder), engines[LORA_ON_ENGINE].model.config, args)
+        adapters = write_adapters(Path(folder), model.stored_config, args)
         results = run_rounds(engines, adapters, args)
     summary = summarize(results)
-    compiles = {name: llm.engine.compiles_after_warmup for name, llm in engines.items()}
+    compiles = {name: engine.compiles_after_warmup for name, engine in engines.items()}
     report = {
         "machine": machine_description(),
-        "model": str(args.model) if args.model else "built-in tiny random model",
+        "model": model_name(args),
+        "dtype": np.dtype(model.dtype).name,
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
+        "num_kv_pages": {name: engine.config.num_kv_pages for name, engine in engines.items()},
         "engine_startup_s": startup_s,
+        "engine_programs": {name: engine.startup_stats.programs for name, engine in engines.items()},
         "compiles_after_warmup": compiles,
         "target_adapters_vs_base": TARGET_ADAPTERS_VS_BASE,
         **summary,
@@ -318,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
              f"{args.rank}, {machine['device']}")
     plot_path = args.plot or (args.out.with_suffix(".png") if args.out else None)
     drawn = plot_path is not None and plot(summary, title, plot_path)
-    print(f"{report['model']} ({args.dtype}) on {machine['device']} ({machine['jax_backend']}); {args.num_requests} "
+    print(f"{report['model']} ({report['dtype']}) on {machine['device']} ({machine['jax_backend']}); {args.num_requests} "
           f"requests, prompts {args.prompt_len}, outputs {args.max_tokens}; {args.num_adapters} adapters of rank "
           f"{args.rank} on every projection; max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
           f"{args.max_num_batched_tokens}, max_model_len {args.max_model_len}; {args.rounds} rounds, variants "

@@ -1,4 +1,5 @@
-"""Model configs (config.json contents) the benchmarks build random models of: real models' shapes, no weights."""
+"""Model configs (config.json contents) the benchmarks build random models of: real models' shapes, no weights; and
+the model a benchmark's `--model-shape` names, built in memory (random weights straight on the device)."""
 
 import json
 
@@ -36,3 +37,36 @@ def model_config(name: str) -> dict:
 
         return json.loads((BUILTIN_MODEL_DIR / "config.json").read_text())
     return {"llama-3.1-8b": LLAMA3_8B_CONFIG, "llama-3.1-70b": LLAMA3_70B_CONFIG}[name]
+
+
+# What `--model-shape` offers where one device holds the model: the built-in tiny model, or random weights of
+# Llama-3.1-8B's shapes (16 GB in bfloat16).
+ENGINE_SHAPES = ("builtin", "llama-3.1-8b")
+
+
+def model_of_shape(shape: str, dtype: str, seed: int):
+    """The built-in model ("builtin"), or random weights of the shapes `shape` names (`random_model`). Returns a
+    jaxserve LoadedModel, as LLMEngine takes it."""
+    if shape == "builtin":
+        from jaxserve.checkpoint import load_model  # here: the configs above need no jaxserve
+
+        return load_model(None, dtype, progress=False)
+    return random_model(model_config(shape), dtype, seed)
+
+
+def random_model(config: dict, dtype: str, seed: int):
+    """Random weights of the shapes `config` (config.json's contents) gives, drawn on the device at a trained model's
+    scale (no checkpoint on disk); `dtype` as --dtype takes it ("auto": the config's dtype, float32 on the CPU). The
+    built-in tokenizer serves: prompts are token ids, and ids past its vocabulary decode to nothing."""
+    import jax  # here: the configs above need no JAX
+
+    from jaxserve.checkpoint import BUILTIN_MODEL_DIR, LoadedModel
+    from jaxserve.checkpoint.builtin import random_params
+    from jaxserve.model.config import LlamaConfig
+    from jaxserve.model.dtypes import resolve_dtype
+    from kernels import ENGINE_INIT_STD  # here: kernels imports this module
+
+    llama = LlamaConfig.from_hf_dict(config)
+    weights_dtype = resolve_dtype(dtype, llama.checkpoint_dtype, jax.default_backend())
+    graphdef, params = random_params(llama, weights_dtype, seed, ENGINE_INIT_STD)
+    return LoadedModel(llama, graphdef, params, weights_dtype, BUILTIN_MODEL_DIR, "random")

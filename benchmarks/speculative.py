@@ -62,6 +62,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.proposers import SequenceProposer
 from jaxserve.sampling_params import SamplingParams
+from model_shapes import ENGINE_SHAPES, model_of_shape
 
 PLAIN, NO_DRAFTS, NGRAM = "plain", "no-drafts", "ngram"
 REPLAY_PREFIX = "replay@"
@@ -70,7 +71,6 @@ WARM_UP_ROUND = 0  # workload index of the untimed warm-up; timed rounds use 1..
 KEY_TOKENS = 8  # a replayed run is found by its prompt's first tokens (unique within a workload: checked)
 FIRST_ORDINARY_TOKEN = 16  # prompts draw ids from here up: clear of the special ids at the start of a vocabulary
 SEPARATOR, PERIOD = 10, 11  # the edit/summary marker and the sentence end, as fixed ids
-MODEL_SHAPES = ("builtin", "llama-3.1-8b")
 # --smoke: the shapes of the test suite's tiny engines (tests/conftest.py, tests/test_speculative.py), so the test
 # finds their programs in the persistent compilation cache.
 SMOKE = dict(batch_sizes=[1, 4], waves=1, output_len=12, rounds=1, acceptance=[0.0, 1.0], num_speculative_tokens=3,
@@ -81,7 +81,7 @@ SMOKE = dict(batch_sizes=[1, 4], waves=1, output_len=12, rounds=1, acceptance=[0
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (the test's); other flags still apply")
-    parser.add_argument("--model-shape", choices=MODEL_SHAPES, default="builtin",
+    parser.add_argument("--model-shape", choices=ENGINE_SHAPES, default="builtin",
                         help="builtin: the built-in tiny model; llama-3.1-8b: random weights of its shapes")
     parser.add_argument("--dtype", default="float32", help="weights and activations")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=4, help="k: drafts per sequence and step")
@@ -253,24 +253,6 @@ class RunResult:
         return self.wall_s / self.steps
 
 
-def model_for(shape: str, dtype: str, seed: int):
-    """The built-in model, or random weights of a real model's shapes built on the device (the built-in tokenizer
-    serves: prompts are token ids)."""
-    from jaxserve.checkpoint import BUILTIN_MODEL_DIR, LoadedModel, load_model
-
-    if shape == "builtin":
-        return load_model(None, dtype, progress=False)
-    from jaxserve.checkpoint.builtin import random_params
-    from jaxserve.model.config import LlamaConfig
-    from jaxserve.model.dtypes import parse_dtype
-    from kernels import ENGINE_INIT_STD
-    from model_shapes import model_config
-
-    config = LlamaConfig.from_hf_dict(model_config(shape))
-    graphdef, params = random_params(config, parse_dtype(dtype), seed, ENGINE_INIT_STD)
-    return LoadedModel(config, graphdef, params, parse_dtype(dtype), BUILTIN_MODEL_DIR, "random")
-
-
 def engine_config(args: argparse.Namespace, speculative: bool) -> EngineConfig:
     """Both engines' shapes; pages for every sequence at max_model_len (nothing sized from free memory, which the
     other engine process shares)."""
@@ -339,7 +321,7 @@ def engine_worker(args: argparse.Namespace, speculative: bool, connection: Conne
     from bench_machine import machine_description
     from jaxserve.tokenizer import load_tokenizer
 
-    model = model_for(args.model_shape, args.dtype, args.seed)
+    model = model_of_shape(args.model_shape, args.dtype, args.seed)
     start = time.perf_counter()
     engine = LLMEngine(model, load_tokenizer(model.model_dir), engine_config(args, speculative), progress=False)
     connection.send({"startup_s": time.perf_counter() - start, "programs": engine.startup_stats.programs,

@@ -137,8 +137,12 @@ class Scheduler:
             self._admit_waiting(plan)
         if self.proposer is not None:
             self._add_drafts(plan)
+        page_size = self.page_size
         for scheduled in plan.sequences:
-            self._register_full_pages(self._requests[scheduled.request_id])
+            # Only a chunk that reaches past the registered pages can complete one (a decode token: every 16th step).
+            if (scheduled.start_position + len(scheduled.token_ids)) // page_size > len(
+                    (request := self._requests[scheduled.request_id]).page_keys):
+                self._register_full_pages(request)
         return self._emit(plan)
 
     def forget_steps_in_flight(self) -> None:
@@ -167,7 +171,8 @@ class Scheduler:
             else:
                 request.resolve_pending_token(sampled[scheduled.request_id])
             # A preempted request keeps this token (it was sampled from intact pages) but holds no pages to register.
-            self._register_full_pages(request)
+            if request.num_computed_tokens // self.page_size > len(request.page_keys):
+                self._register_full_pages(request)
 
     def finish_request(self, request_id: str, reason: str) -> None:
         """Ends a request wherever it is and returns its pages at once; unknown or finished ids are ignored."""
@@ -224,12 +229,14 @@ class Scheduler:
                                       f"{usable_pages}; lower max_tokens", param="max_tokens")
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        index = 0
+        index, page_size = 0, self.page_size
         while index < len(self._running) and plan.token_budget > 0:
             request = self._running[index]
             num_new = self._chunk_size(request.num_tokens_to_compute, plan.token_budget)
             if num_new:
-                if not self._make_room(request, request.num_computed_tokens + num_new, plan):
+                # Most steps fit the pages a request holds (a decode token needs a new page every 16th step).
+                stop = request.num_computed_tokens + num_new
+                if -(-stop // page_size) > len(request.page_ids) and not self._make_room(request, stop, plan):
                     return
                 self._schedule_chunk(request, num_new, plan)
             index += 1

@@ -284,7 +284,7 @@ class ModelRunner:
     def prepare(self, schedule: SchedulerOutput) -> tuple[StepBucket, StepArrays]:
         """The bucket of this batch and its padded inputs as host arrays (pure numpy: the host's share of a step)."""
         chunks = schedule.sequences
-        bucket = self.buckets.select(sum(c.num_tokens for c in chunks), len(chunks),
+        bucket = self.buckets.select(schedule.num_batched_tokens, len(chunks),
                                      prompt_logits=any(c.wants_prompt_logits for c in chunks),
                                      penalties=any(c.sampling.params.uses_penalties for c in chunks),
                                      drafts=any(c.num_draft_tokens for c in chunks))
@@ -396,7 +396,7 @@ class ModelRunner:
         inputs = build_metadata(chunks, num_tokens=bucket.num_tokens, num_seqs=bucket.num_seqs,
                                 max_pages=self.config.max_pages_per_seq, page_size=self.config.block_size,
                                 block_tables=self._input_rows.block_table_rows(slots, bucket.num_seqs)
-                                if slots is not None else None)
+                                if slots is not None else None, layout=layout)
         return StepArrays(token_ids=token_ids, pending_rows=pending_rows, positions=inputs.positions,
                           metadata=inputs.metadata, sample_index=sample_index,
                           sampling=self._sampling_tensors(chunks, bucket, slots),

@@ -28,16 +28,18 @@ class PagedInputs:
 
 
 def build_metadata(chunks: Sequence[ScheduledSequence], *, num_tokens: int, num_seqs: int, max_pages: int,
-                   page_size: int, block_tables: np.ndarray | None = None) -> PagedInputs:
+                   page_size: int, block_tables: np.ndarray | None = None,
+                   layout: ChunkLayout | None = None) -> PagedInputs:
     """Flatten the chunks (in order) into T = num_tokens tokens over S = num_seqs sequence rows.
 
     Row i holds chunks[i]; the remaining rows are padding (length 0, null pages). Padding tokens after the real
     ones never write (their slot is dropped) and point at the first padding row, or at the last row when none is
     spare, so a full bucket of sequences needs no extra row. Whole-array numpy: the host's cost per step must stay
     well under a millisecond at hundreds of sequences. `block_tables` (i32[num_seqs, max_pages]), where given, are
-    the chunks' block tables already laid out (runner/input_rows.py keeps them between steps).
+    the chunks' block tables already laid out (runner/input_rows.py keeps them between steps); `layout`, where
+    given, is `ChunkLayout.of(chunks)` already computed.
     """
-    layout = ChunkLayout.of(chunks)
+    layout = layout if layout is not None else ChunkLayout.of(chunks)
     held = np.fromiter((len(c.page_ids) for c in chunks), np.int32, len(chunks))  # i32[n]
     _check_fits(layout, held, num_tokens, num_seqs, max_pages, page_size)
     n, total = len(chunks), layout.num_tokens

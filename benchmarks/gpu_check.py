@@ -25,6 +25,13 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
              serve          `jaxserve serve --config configs/llama-3.1-8b-h100.yaml` on a random 8B checkpoint (its
                             tokenizer widened to the model's vocabulary), benchmarks/serve.py for 30 s at concurrency
                             16 and 30 s at 64: TTFT / TPOT p50 and p95
+    group 4  lora           benchmarks/lora.py on the 8B-shaped model (one copy of the weights, two engines): 64
+                            requests on the base model vs spread over 4 adapters of rank 16 on every projection, and
+                            vs an engine without LoRA: generated tokens/s and the ratios within each round
+             lora_kernels   benchmarks/lora_kernels.py: the LoRA delta's one-hot (the engine's), gather and Pallas
+                            forms per 8B projection and token count, against the projection itself
+             host_overhead  benchmarks/host_overhead.py on this host's CPU (no device work): schedule + prepare and
+                            update + outputs at 64 and 256 decoding sequences, against the <= 1 ms targets
 
 Each part runs in a process of its own under a wall-clock budget: a Triton crash, an out-of-memory or a hang costs
 that part alone (reported with its status and the tail of its output) and the rest still runs. The report is
@@ -33,8 +40,9 @@ at most, so each group fits one 10-minute command; a second run into the same --
 
 Results, flat in --out: gpu_check.json (every figure, the sub-benchmarks' whole reports, run metadata: commit or
 source hash, date, command), gpu_check.md (the same as tables), gpu_check.log (every part's output) and the plots
-kernels.png, engine.png, startup.png, serve.png, quantized_engine.png, speculative.png. Scratch (logs, sub-reports,
-the random checkpoint, reused by later runs) goes to --work-dir.
+kernels.png, engine.png, startup.png, serve.png, quantized_engine.png, speculative.png, lora.png,
+lora_kernels.png: one group's run writes the three reports and its own parts' plots, at most 8 files. Scratch
+(logs, sub-reports, the random checkpoint, reused by later runs) goes to --work-dir.
 
 On a machine with the package index, once (the GPU host needs no index: it installs from .whl/):
 
@@ -45,6 +53,7 @@ On the GPU host, from the source tree with .whl/ in it (its own python3 with CUD
     make gpu-check OUT=gpu-results ARGS="--group 1"
     make gpu-check OUT=gpu-results ARGS="--group 2"     # adds to gpu-results/
     make gpu-check OUT=gpu-results ARGS="--group 3"
+    make gpu-check OUT=gpu-results ARGS="--group 4"
     make gpu-check OUT=gpu-results ARGS="--parts kernel_check,engine_parity"
 
 Anywhere, on the CPU, with tiny shapes and the kernels interpreted (what tests/test_gpu_check.py runs):
@@ -88,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"{DEFAULT_WORK_DIR[True]})")
     parser.add_argument("--smoke", action="store_true", help="on the CPU: tiny shapes, kernels interpreted")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--group", type=int, choices=GROUPS, help="run one half (each fits a 10-minute command)")
+    which.add_argument("--group", type=int, choices=GROUPS, help="run one group (each fits a 10-minute command)")
     which.add_argument("--parts", type=lambda text: text.split(","), help="comma-separated part names")
     parser.add_argument("--list", action="store_true", help="print the parts, their groups and budgets, and exit")
     parser.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",

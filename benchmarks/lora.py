@@ -260,8 +260,9 @@ def ratio_name(numerator: str, denominator: str) -> str:
 
 
 def summarize(results: dict[str, list[RunResult]]) -> dict[str, Any]:
-    """Medians over rounds per variant; each ratio per round and its median; the output checks."""
-    variants = {variant: {"tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
+    """Per variant its engine and medians over rounds; each ratio per round and its median; the output checks."""
+    variants = {variant: {"engine": ENGINE_OF[variant],
+                          "tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
                           "tokens_per_s_per_round": [r.tokens_per_s for r in runs],
                           "wall_s": statistics.median(r.wall_s for r in runs),
                           "steps": statistics.median(r.steps for r in runs),
@@ -287,7 +288,7 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [header]
     base = summary["variants"][BASE]["tokens_per_s"]
     for variant, row in summary["variants"].items():
-        engine = ENGINE_OF[variant]
+        engine = row["engine"]
         per_round = " ".join(f"{t:.1f}" for t in row["tokens_per_s_per_round"])
         lines.append(f"{variant:<9} {engine:<8} {row['tokens_per_s']:>9.1f} {row['wall_s']:>7.2f} "
                      f"{row['steps']:>6.0f} {row['step_ms']:>7.2f} {row['tokens_per_s'] / base:>7.2f}x  {per_round}")
@@ -361,13 +362,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     machine = report["machine"]
-    title = (f"LoRA: {args.num_requests} requests x {args.max_tokens} tokens, {args.num_adapters} adapters of rank "
-             f"{args.rank}, {machine['device']}")
+    title = (f"LoRA, {report['model']}: {args.num_requests} requests x {args.max_tokens} tokens, {args.num_adapters} "
+             f"adapters of rank {args.rank}, {machine['device']}")
     plot_path = args.plot or (args.out.with_suffix(".png") if args.out else None)
     drawn = plot_path is not None and plot(summary, title, plot_path)
-    print(f"{report['model']} ({report['dtype']}) on {machine['device']} ({machine['jax_backend']}); {args.num_requests} "
-          f"requests, prompts {args.prompt_len}, outputs {args.max_tokens}; {args.num_adapters} adapters of rank "
-          f"{args.rank} on every projection; max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
+    print(f"{report['model']} ({report['dtype']}) on {machine['device']} ({machine['jax_backend']}); "
+          f"{args.num_requests} requests, prompts {args.prompt_len}, outputs {args.max_tokens}; {args.num_adapters} "
+          f"adapters of rank {args.rank} on every projection; max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
           f"{args.max_num_batched_tokens}, max_model_len {args.max_model_len}; {args.rounds} rounds, variants "
           f"alternated; start-up s: {', '.join(f'{k} {v:.1f}' for k, v in startup_s.items())}; compiles after "
           f"warm-up {compiles}; plot: {plot_path if drawn else 'none'}")

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py: its registry fits two 10-minute commands and a flat, small results folder; a --smoke run on
-the CPU, in its two groups, passes every part and merges both into one report; a part that fails or hangs is
-reported while the others still run."""
+"""benchmarks/gpu_check.py: each group of its registry fits one 10-minute command and a flat, small results folder; a
+--smoke run on the CPU, group by group, passes every part and merges them into one report; a part that fails or
+hangs is reported while the others still run."""
 
 from __future__ import annotations
 
@@ -27,13 +27,15 @@ from gpu_parts.isolation import GRACE_S  # noqa: E402
 from gpu_parts.report import COMBINED_LOG, REPORT_JSON, REPORT_MARKDOWN  # noqa: E402
 from gpu_parts.engine_parity import REFERENCE, log_prob_errors  # noqa: E402
 from gpu_parts.serving import cover_vocabulary  # noqa: E402
+from gpu_parts import lora as lora_part  # noqa: E402
+import lora as lora_benchmark  # noqa: E402
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR  # noqa: E402
 from jaxserve.tokenizer import load_tokenizer  # noqa: E402
 
 COMMAND_LIMIT_S = 10 * 60
 SETUP_ALLOWANCE_S = 90  # installing the carried wheels and starting, before the first part
-MAX_OUT_FILES = 9  # results are collected from a flat folder of at most this many files
+MAX_OUT_FILES = 8  # each group's results are collected from a flat folder of at most this many files
 OUT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 SMOKE_TIMEOUT_S = 900  # about 90 s on an idle 2-core machine with a warm compilation cache
 PNG_MAGIC = b"\x89PNG"
@@ -49,15 +51,18 @@ def test_each_group_fits_one_ten_minute_command_even_if_every_part_times_out():
 
 
 def test_results_folder_stays_flat_small_and_plainly_named():
-    names = [REPORT_JSON, REPORT_MARKDOWN, COMBINED_LOG] + [part.plot for part in PARTS if part.plot]
-    assert len(set(names)) == len(names) <= MAX_OUT_FILES
-    assert all(OUT_NAME.match(name) for name in names)
+    reports = [REPORT_JSON, REPORT_MARKDOWN, COMBINED_LOG]
+    names = reports + [part.plot for part in PARTS if part.plot]
+    assert len(set(names)) == len(names) and all(OUT_NAME.match(name) for name in names)
+    for group in GROUPS:
+        assert len(reports + [part.plot for part in PARTS if part.plot and part.group == group]) <= MAX_OUT_FILES
 
 
 def test_listing_names_every_part_and_each_groups_budget():
     text = gpu_check.listing()
     assert all(part.name in text for part in PARTS)
     assert "group 1: 480 s" in text and "group 2: 480 s" in text and "group 3: 490 s" in text
+    assert "group 4: 480 s" in text
 
 
 def test_nvidia_smi_query_rows_parse_into_named_fields():
@@ -116,6 +121,25 @@ def test_random_checkpoints_tokenizer_spells_every_id_the_model_can_sample(tmp_p
     assert widened.encode(text) == builtin.encode(text)
 
 
+def test_lora_part_reports_tokens_per_s_per_variant_and_the_ratios_from_the_benchmarks_json():
+    speeds = {"base": [100, 80], "adapters": [90, 64], "lora-off": [125, 100]}  # tokens/s per round
+    runs = {variant: [lora_benchmark.RunResult(wall_s=1.0, generated_tokens=speed, steps=2, outputs=((1,),))
+                      for speed in per_round] for variant, per_round in speeds.items()}
+    report = {"model": "random llama-3.1-8b", "dtype": "bfloat16", "engine_programs": {"lora-on": 28, "lora-off": 28},
+              "settings": vars(lora_benchmark.parse_args(PARTS_BY_NAME["lora"].gpu_args["args"])),
+              "target_adapters_vs_base": lora_benchmark.TARGET_ADAPTERS_VS_BASE, **lora_benchmark.summarize(runs)}
+    rows = lora_part.variant_rows(report)
+    assert [(row["variant"], row["engine"], row["tokens_per_s"], row["vs_base"]) for row in rows] == [
+        ("base", "lora-on", 90, 1.0), ("adapters", "lora-on", 77, 77 / 90), ("lora-off", "lora-off", 112.5, 1.25)]
+    figures = {"rows": rows, "ratios": report["ratios"], "meets_target": report["meets_target"],
+               "checks": report["checks"], "compiles_after_warmup": {"lora-on": 0, "lora-off": 0},
+               "engine_startup_s": {"lora-on": 60.0, "lora-off": 50.0}}
+    text = lora_part.summary(figures, report)
+    assert "| adapters / base | 0.85x | 0.90 0.80 |" in text and "| base / lora-off | 0.80x | 0.80 0.80 |" in text
+    assert "| adapters | lora-on | 77.0 | 90.0 64.0 |" in text and "target of 0.8x: met" in text
+    assert "lora-on 60 s (28 programs)" in text and "64 requests x 64 tokens" in text
+
+
 def test_every_kernel_check_case_of_the_gpu_run_lowers_for_an_h100():
     """The Pallas-to-Triton lowering of each case kernel_check compiles on a GPU passes here, on the CPU, so a GPU run
     spends its budget on checking the kernels rather than on cases that cannot lower."""
@@ -165,6 +189,17 @@ def assert_figures_of_every_part(parts: dict) -> None:
     assert figures["speculative"]["outputs_identical"] and speculative[(1, "replay@1")]["steps_vs_plain"] < 1
     for level in figures["serve"]["levels"]:
         assert level["completed"] > 0 and level["failed"] == 0 and level["ttft_ms"]["p95"] > 0
+    lora = figures["lora"]
+    assert [row["variant"] for row in lora["rows"]] == ["base", "adapters", "lora-off"]
+    rounds = lora["report"]["settings"]["rounds"]
+    assert all(row["tokens_per_s"] > 0 and len(row["tokens_per_s_per_round"]) == rounds for row in lora["rows"])
+    assert list(lora["ratios"]) == ["adapters / base", "base / lora-off", "adapters / lora-off"]
+    assert lora["checks"]["adapters_change_outputs"] > 0 and lora["checks"]["base_same_as_lora_off"]
+    assert lora["compiles_after_warmup"] == {"lora-on": 0, "lora-off": 0}
+    assert {row["projection"] for row in figures["lora_kernels"]["rows"]} == {"q_proj", "gate_proj"}
+    assert all(row["pallas_us"] > 0 and row["worst_error"] < 1e-4 for row in figures["lora_kernels"]["rows"])
+    host = figures["host_overhead"]["host_ms"]
+    assert set(host) == {"8"} and host["8"]["update+outputs"]["median_ms"] > 0
 
 
 @pytest.mark.slow

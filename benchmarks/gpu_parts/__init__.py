@@ -6,9 +6,10 @@ it: every part runs in a process of its own, under its time budget, so a crash, 
 part only, and the GPU memory it claimed is freed before the next starts.
 
 Budgets are wall-clock limits in seconds, process start and JAX's import included. Each group's GPU budgets add up to
-8 minutes at most, so that a group, with the wheels' install before it, fits one 10-minute command. Groups 1 and 2
-validate and measure the engine itself; group 3 measures what its options change (quantization, speculative
-decoding).
+8.2 minutes at most, so that a group, with the wheels' install before it, fits one 10-minute command. Groups 1 and
+2 validate and measure the engine itself and speculative decoding; group 3 measures quantized weights and serving
+over HTTP; group 4 measures what serving LoRA adapters costs (the engine, and the delta's forms) and the host's
+work per step on the GPU host's CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-GROUPS = (1, 2, 3)
+GROUPS = (1, 2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Part:
     """One isolated piece of the GPU check."""
 
     name: str  # its key in the report and in --parts
-    group: int  # which half of a whole run it belongs to (--group)
+    group: int  # which group of a whole run it belongs to (--group)
     budget_s: float  # wall-clock limit on a GPU; past it the part's processes are ended and it is reported timed out
     smoke_budget_s: float  # the same limit with --smoke (CPU, tiny shapes, kernels interpreted)
     run: str  # "module:function" (a module of this package), imported in the part's own process only
@@ -50,6 +51,18 @@ PAGE_SIZE = 16
 SPECULATIVE_GPU_ARGS = ["--model-shape", "llama-3.1-8b", "--dtype", "bfloat16", "--mem-fraction", "0.45",
                         "--batch-sizes", "1", "16", "--waves", "2", "--output-len", "64", "--rounds", "2",
                         "--max-num-batched-tokens", "128", "--units", "12", "--copied-units", "4"]
+
+# benchmarks/lora.py at the 8B shapes: one copy of the weights (16 GB) run by two engines in one process, with and
+# without adapter slots (each pool 32 sequences of 192 tokens, 0.8 GB); a small bucket grid (28 programs per engine,
+# compiled cold, neither engine's programs being the other's) and about 150 steps per batch, to fit its budget.
+LORA_GPU_ARGS = ["--model-shape", "llama-3.1-8b", "--dtype", "bfloat16", "--max-num-seqs", "32",
+                 "--max-num-batched-tokens", "512", "--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
+                 "--num-adapters", "4", "--rank", "16", "--rounds", "3"]
+# The limits of tests/test_lora_engine.py's engines (2 slots of rank 8; max_num_seqs 4, max_num_batched_tokens 64,
+# max_model_len 128), as tests/test_benchmark_lora.py runs them: their programs are in the compilation cache.
+LORA_SMOKE_ARGS = ["--num-requests", "4", "--prompt-len", "8", "--max-tokens", "4", "--rounds", "2",
+                   "--num-adapters", "2", "--rank", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                   "--max-model-len", "128"]
 
 # Attention shapes of the Llama-3.1-8B kernels (32 query heads over 8 KV heads of 128) and their GQA-8 sibling.
 LLAMA_8B_DECODE = ["--batches", "64", "--contexts", "2048"]
@@ -114,5 +127,16 @@ PARTS += [
          dict(model="builtin", dtype="float32", config="configs/tiny-cpu.yaml", concurrency=[2, 4],
               seconds_per_level=2, input_len=16, output_len=8, max_prompts=200),
          "jaxserve serve over HTTP for 60 s (concurrency 16, then 64): TTFT and TPOT p50/p95", plot="serve.png"),
+    Part("lora", 4, 300, 240, "gpu_parts.lora:run", dict(args=LORA_GPU_ARGS), dict(args=LORA_SMOKE_ARGS),
+         "LoRA on the 8B-shaped engine: a batch on the base model vs spread over 4 adapters of rank 16, and vs an "
+         "engine without LoRA (tokens/s, ratios within each round)", plot="lora.png"),
+    Part("lora_kernels", 4, 120, 120, "gpu_parts.lora_kernels:run", dict(args=[]), dict(args=["--smoke"]),
+         "the LoRA delta's one-hot (the engine's), gather and Pallas forms per 8B projection and token count, "
+         "against the projection itself", plot="lora_kernels.png"),
+    Part("host_overhead", 4, 60, 120, "gpu_parts.host_overhead:run",
+         dict(args=["--skip-decode", "--num-seqs", "64", "256", "--cycles", "200", "--warm-cycles", "30"]),
+         dict(args=["--skip-decode", "--num-seqs", "8", "--cycles", "20", "--warm-cycles", "5"]),
+         "the host's work per step on this host's CPU (schedule + prepare, update + outputs at 64 and 256 decoding "
+         "sequences; no device work) against the <= 1 ms targets"),
 ]
 PARTS_BY_NAME = {part.name: part for part in PARTS}

@@ -132,6 +132,44 @@ def test_an_engine_without_lora_refuses_adapters():
         base.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, "folder"))
 
 
+@pytest.fixture(scope="module")
+def tiny_pool_llm():
+    """Eleven usable pages of 16 tokens for four sequences of up to 60: forces preemption by recompute."""
+    return LLM(enable_lora=True, max_loras=2, max_lora_rank=MAX_RANK, num_kv_pages=12, **LIMITS)
+
+
+def test_preempted_adapter_requests_recompute_with_their_adapter(llm, tiny_pool_llm, adapter_dirs):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 23 + i))} for i in range(4)]
+    loras = [None, lora(adapter_dirs, "qv"), lora(adapter_dirs, "mlp"), lora(adapter_dirs, "qv")]
+    expected = [tokens(llm.generate([p], params, use_tqdm=False, lora_request=r))[0] for p, r in zip(prompts, loras)]
+    assert tokens(tiny_pool_llm.generate(prompts, params, use_tqdm=False, lora_request=loras)) == expected
+    stats = tiny_pool_llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.num_running == stats.num_pages_used == 0
+
+
+def test_a_request_aborted_while_waiting_for_a_slot_leaves_the_slots_free(tiny_pool_llm, adapter_dirs):
+    engine, params = tiny_pool_llm.engine, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for name in ("qv", "mlp", "all"):  # two slots: "all" waits for one
+        engine.add_request(name, [5, 6, 7], params, lora_request=lora(adapter_dirs, name))
+    engine.step()
+    assert engine.stats().num_waiting == 1
+    engine.abort_request("all")
+    while engine.has_unfinished_requests():
+        engine.step()
+    slots = engine.scheduler.adapter_slots
+    assert all(slots.can_acquire(lora_id) for lora_id in (1, 2, 3, 4))
+    [output] = tiny_pool_llm.generate(["Back"], params, use_tqdm=False, lora_request=lora(adapter_dirs, "all"))
+    assert len(output.outputs[0].token_ids) == 4 and engine.stats().num_running == 0
+
+
+def test_continuations_of_one_prompt_share_its_adapter(llm, adapter_dirs):
+    sampled = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
+    [output] = llm.generate(["Twice"], sampled, use_tqdm=False, lora_request=lora(adapter_dirs, "mlp"))
+    alone = tokens(llm.generate(["Twice"], GREEDY, use_tqdm=False, lora_request=lora(adapter_dirs, "mlp")))[0]
+    assert [c.token_ids for c in output.outputs] == [alone[:6], alone[:6]]
+
+
 def test_slots_are_shared_by_an_adapters_requests_and_reused_least_recently_used_first():
     slots = AdapterSlots(max_loras=2)
     assert slots.acquire(0) == (0, False)

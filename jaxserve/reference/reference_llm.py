@@ -14,6 +14,7 @@ from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.errors import InvalidRequestError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.reference.dense_decoder import DecodeRequest, DenseDecoder
 from jaxserve.sampling_params import SamplingParams
@@ -30,7 +31,10 @@ class ReferenceLLM(LLM):
         self._decoder = DenseDecoder(loaded.config, loaded.graphdef, loaded.params, loaded.dtype,
                                      max_batch=self.config.max_num_seqs, seed=self.config.seed)
 
-    def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
+        if any(lora is not None for lora in loras):
+            raise InvalidRequestError("the reference decoder runs no LoRA adapters", param="lora_request")
         for prompt in prompts:
             check_prompt_tokens(prompt.token_ids, vocab_size=self.model.config.vocab_size,
                                 max_model_len=self.max_model_len)

@@ -8,7 +8,9 @@ from jaxserve.outputs import Logprob
 from jaxserve.tokenizer import Tokenizer
 
 
-@dataclasses.dataclass(frozen=True)
+# Not frozen, though never changed: one is built per generated token, and a frozen dataclass costs about 1 us more to
+# build (0.3 ms per step at 256 sequences).
+@dataclasses.dataclass(slots=True)
 class SampledToken:
     """One sampled (or scored prompt) token and the log-probabilities reported with it."""
 

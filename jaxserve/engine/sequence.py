@@ -37,13 +37,16 @@ class Sequence:
         allows nothing after this token, so the sequence stops with it (EOS, when sampled, stops it first)."""
         token = sampled.token_id
         self.token_ids.append(token)
-        self._record_logprobs(sampled)
+        if self.logprobs is not None:
+            self._record_logprobs(sampled)
         if token in self._stop_ids:
             # Like vLLM: the stop token stays in token_ids but not in the text; stop_reason names only explicit ids.
             self._finish("stop", token if token in self.params.stop_token_ids else None)
             return self._release(self._stop_strings.flush())
-        at_length = len(self.token_ids) >= self.max_new_tokens
-        last = at_length or grammar_done
+        last = len(self.token_ids) >= self.max_new_tokens or grammar_done
+        if not last and not self.params.stop:
+            # Most tokens: no stop string to look for and nothing ends here (the rest below would return the same).
+            return self._release(self._detokenizer.push(token))
         text = self._detokenizer.push(token) + (self._detokenizer.flush() if last else "")
         if len(self.token_ids) < self.params.min_tokens:
             # As in vLLM, nothing stops a sequence before min_tokens: stop strings are looked for only after it.
@@ -77,7 +80,5 @@ class Sequence:
         return delta
 
     def _record_logprobs(self, sampled: SampledToken) -> None:
-        if self.logprobs is None:
-            return
         self.cumulative_logprob += sampled.logprob
         self.logprobs.append(candidate_logprobs(sampled, self._tokenizer))

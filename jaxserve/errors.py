@@ -29,6 +29,10 @@ class InvalidRequestError(JaxserveError):
         self.param = param  # name of the request field at fault, as in OpenAI's error JSON
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """A request names a model (or LoRA adapter) the engine does not serve; the server answers 404."""
+
+
 class ConfigError(JaxserveError):
     """A settings file or flag is unknown or has a value of the wrong kind."""
 
@@ -40,6 +44,10 @@ class LoraAdapterError(JaxserveError):
 class UnsupportedLoraError(LoraAdapterError):
     """A valid PEFT adapter that uses something jaxserve does not serve (DoRA, trained biases or embeddings, LoRA on
     modules other than the decoder projections, per-module ranks, another PEFT method)."""
+
+
+class LoraNameTakenError(LoraAdapterError):
+    """An adapter's name or id already belongs to another adapter of the engine."""
 
 
 class LoraRankError(LoraAdapterError):

@@ -412,3 +412,13 @@ def test_a_missing_or_non_float_tensor_is_refused_naming_it(tmp_path):
     _rewrite_tensors(tmp_path, {**tensors, name: tensors[name].astype(np.int8)})
     with pytest.raises(UnsupportedLoraError, match=rf"{re.escape(name)} has dtype I8; LoRA weights must be float"):
         _load(tmp_path)
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
+    tensors = _write_adapter(tmp_path)
+    name = f"{PREFIX}model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][0, 0] = np.inf
+    _rewrite_tensors(tmp_path, tensors)
+    with pytest.raises(LoraAdapterError, match=f"{re.escape(name)}.*NaN or infinite"):
+        _load(tmp_path)

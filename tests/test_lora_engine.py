@@ -10,6 +10,7 @@ folders written in peft's format by jaxserve/checkpoint/random_lora.py, no torch
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ from jaxserve.checkpoint import BUILTIN_MODEL_DIR
 from jaxserve.checkpoint.lora_config import PROJECTIONS
 from jaxserve.checkpoint.random_lora import write_random_lora_adapter
 from jaxserve.engine.adapter_slots import AdapterSlots
-from jaxserve.errors import InvalidRequestError, LoraAdapterError, LoraRankError
+from jaxserve.errors import (InvalidRequestError, LoraAdapterError, LoraNameTakenError, LoraRankError,
+                             ModelNotFoundError)
 from jaxserve.model.config import LlamaConfig
 
 MAX_RANK = 8
@@ -126,6 +128,67 @@ def test_bad_adapters_are_refused_and_change_nothing(llm, adapter_dirs, tmp_path
         LoRARequest("zero", 0, "folder")
 
 
+def test_a_steps_adapters_come_from_host_memory_so_a_deleted_folder_fails_only_new_requests(llm, adapter_dirs,
+                                                                                           tmp_path):
+    """max_cpu_loras 2: a queued request keeps its adapter in memory while two others pass through, so the step that
+    admits it reads no folder; once it ended, a new request for the deleted folder's adapter is refused alone."""
+    engine = llm.engine
+    shutil.copytree(adapter_dirs["qv"], tmp_path / "moved")
+    moved = LoRARequest("moved", 42, str(tmp_path / "moved"))
+    expected = tokens(llm.generate(["Kept"], GREEDY, use_tqdm=False, lora_request=moved))[0]
+    engine.add_request("kept", llm.tokenizer.encode("Kept"), GREEDY, lora_request=moved)
+    for name in ("mlp", "all"):
+        engine.add_request(name, llm.tokenizer.encode("Other"), GREEDY, lora_request=lora(adapter_dirs, name))
+    shutil.rmtree(tmp_path / "moved")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step())
+    assert finished["kept"].outputs[0].token_ids == expected and len(finished) == 3
+    for name in ("mlp", "all", "qv"):  # moves "moved" out of host memory
+        llm.generate(["Again"], GREEDY, use_tqdm=False, lora_request=lora(adapter_dirs, name))
+    with pytest.raises(LoraAdapterError, match="does not exist"):
+        engine.add_request("gone", [5, 6], GREEDY, lora_request=moved)
+    assert not engine.has_unfinished_requests()
+
+
+def test_an_adapter_id_names_one_adapter_for_the_engines_life(llm, adapter_dirs):
+    engine = llm.engine
+    first = LoRARequest("first", 77, str(adapter_dirs["qv"]))
+    engine.add_lora(first)
+    assert engine.remove_lora("first")
+    with pytest.raises(LoraNameTakenError, match="id 77"):
+        engine.add_lora(LoRARequest("second", 77, str(adapter_dirs["mlp"])))
+    assert engine.add_lora(first), "the same adapter under its id again is fine"
+
+
+def test_the_server_path_refuses_an_adapter_unloaded_after_its_name_was_resolved(llm, adapter_dirs):
+    engine, request = llm.engine, LoRARequest("brief", 78, str(adapter_dirs["mlp"]))
+    engine.add_lora(request)
+    engine.remove_lora("brief")
+    with pytest.raises(ModelNotFoundError) as refused:
+        engine.add_request("late", [5, 6], GREEDY, lora_request=request, load_lora=False)
+    assert refused.value.param == "model" and not engine.has_unfinished_requests()
+    assert "brief" not in [r.lora_name for r in engine.list_loras()], "not served again behind the server's back"
+
+
+def test_a_failed_slot_write_leaves_no_slot_promised_to_an_adapter(llm, adapter_dirs, monkeypatch):
+    """A step whose slot write fails aborts its requests (as any failed step does); the adapter it was writing
+    must be written again for the next request rather than assumed present."""
+    engine, request = llm.engine, lora(adapter_dirs, "all")
+    for name in ("qv", "mlp"):  # both slots hold other adapters
+        llm.generate(["Fill"], GREEDY, use_tqdm=False, lora_request=lora(adapter_dirs, name))
+    expected = tokens(llm.generate(["Write"], GREEDY, use_tqdm=False, lora_request=request))[0]
+    for name in ("qv", "mlp"):
+        llm.generate(["Fill"], GREEDY, use_tqdm=False, lora_request=lora(adapter_dirs, name))
+    with monkeypatch.context() as patched:
+        patched.setattr(engine.runner, "write_lora_slot", lambda slot, weights: 1 / 0)
+        engine.add_request("doomed", llm.tokenizer.encode("Write"), GREEDY, lora_request=request)
+        with pytest.raises(ZeroDivisionError):
+            engine.step()
+        assert engine.abort_all_requests() == ["doomed"]
+    assert tokens(llm.generate(["Write"], GREEDY, use_tqdm=False, lora_request=request))[0] == expected
+
+
 def test_an_engine_without_lora_refuses_adapters():
     base = LLM(**LIMITS)
     with pytest.raises(InvalidRequestError, match="enable_lora"):
@@ -185,6 +248,10 @@ def test_slots_are_shared_by_an_adapters_requests_and_reused_least_recently_used
     slots.release(2)
     slots.forget(6)
     assert slots.acquire(6) == (2, True), "a forgotten adapter is written again"
+    slots.forget(6)  # while a request still runs on slot 2
+    slots.release(2)
+    slots.release(1)
+    assert slots.acquire(8) == (2, True), "the emptied slot is taken before adapter 7's idle one"
 
 
 # ---- parity with peft ----------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR
 from jaxserve.checkpoint.random_lora import write_random_lora_adapter
 from jaxserve.config import load_config
-from jaxserve.errors import ConfigError
+from jaxserve.errors import ConfigError, ModelNotFoundError
 from jaxserve.model.config import LlamaConfig
+from jaxserve.server.api_errors import as_api_error
 from jaxserve.server.config import ServerConfig, parse_lora_module
 from tests.live_server import TINY_CONFIG, running_server
 
@@ -153,3 +154,8 @@ def test_lora_module_names_must_be_distinct_from_each_other_and_the_model():
     with pytest.raises(ConfigError, match=MODEL):
         ServerConfig(lora_modules=((MODEL, "x"),))
 
+
+
+def test_an_adapter_unloaded_before_its_request_reached_the_engine_is_a_404_naming_model():
+    error = as_api_error(ModelNotFoundError("the LoRA adapter 'a' was unloaded", param="model"))
+    assert (error.status, error.kind, error.param) == (404, "not_found_error", "model")

@@ -234,6 +234,10 @@ def _stack(reader, file: Path, found: _Found, projection: str, layers: tuple[int
 
 def _read(reader, file: Path, name: str) -> np.ndarray:
     try:
-        return np.asarray(tensor_slice(reader, name, file)[...], np.float32)
+        tensor = np.asarray(tensor_slice(reader, name, file)[...], np.float32)
     except (SafetensorError, OSError, ValueError) as e:
         raise LoraAdapterError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from None
+    # One NaN or inf in a slot would reach every token of a batch: the masked slots still multiply 0 by it.
+    if not np.isfinite(tensor).all():
+        raise LoraAdapterError(f"tensor {name} in {file} holds NaN or infinite values")
+    return tensor

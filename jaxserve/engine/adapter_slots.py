@@ -15,11 +15,8 @@ class AdapterSlots:
     """Slot bookkeeping on the host; writing a slot's weights is the runner's (ModelRunner.write_lora_slot)."""
 
     def __init__(self, max_loras: int):
-        self._holder: dict[int, int] = {}  # slot -> adapter id it holds
-        self._slot_of: dict[int, int] = {}  # adapter id -> its slot
-        self._users: collections.Counter[int] = collections.Counter()  # slot -> running requests using it
-        # Slots no running request uses, least recently used first; empty slots come first of all.
-        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(1, max_loras + 1))
+        self._max_loras = max_loras
+        self.reset()
 
     def can_acquire(self, lora_id: int) -> bool:
         """Whether a request of this adapter (0: none) could start running now."""
@@ -50,7 +47,9 @@ class AdapterSlots:
         self._users[slot] -= 1
         if self._users[slot] == 0:
             del self._users[slot]
-            self._idle[slot] = None  # most recently used idle slot: taken last
+            self._idle[slot] = None  # most recently used idle slot: taken last...
+            if slot not in self._holder:
+                self._idle.move_to_end(slot, last=False)  # ...unless it holds nothing (forgotten): taken first
 
     def forget(self, lora_id: int) -> None:
         """The adapter was unloaded: its slot, once idle, is taken first, and a later load is written afresh."""
@@ -60,6 +59,16 @@ class AdapterSlots:
         self._evict(slot)
         if slot in self._idle:
             self._idle.move_to_end(slot, last=False)
+
+    def reset(self) -> None:
+        """Every slot empty and unused (at the start, and after a failed step aborted every request): later
+        adapters are written afresh, whatever a failed write left in a slot."""
+        self._holder: dict[int, int] = {}  # slot -> adapter id it holds
+        self._slot_of: dict[int, int] = {}  # adapter id -> its slot
+        self._users: collections.Counter[int] = collections.Counter()  # slot -> running requests using it
+        # Slots no running request uses, least recently used first; empty slots come first of all.
+        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
+            range(1, self._max_loras + 1))
 
     def _evict(self, slot: int) -> None:
         lora_id = self._holder.pop(slot, None)

@@ -186,7 +186,8 @@ class AsyncEngine:
         if isinstance(command, _Add):
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                        prompt=command.prompt, stream=True, lora_request=command.lora_request)
+                                        prompt=command.prompt, stream=True, lora_request=command.lora_request,
+                                        load_lora=False)
             except Exception as e:  # refused (InvalidRequestError) or broken: only this request hears of it
                 self._call_on_loop(self._deliver, [(command.request_id, e)])
         elif isinstance(command, _Abort):

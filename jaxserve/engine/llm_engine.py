@@ -32,7 +32,7 @@ from jaxserve.engine.draft_model import DraftModelProposer, plan_draft_model
 from jaxserve.engine.startup import start_runner
 from jaxserve.engine.step_phases import StepPhaseTimes
 from jaxserve.engine.structured_output import GrammarCompiler
-from jaxserve.errors import InvalidRequestError
+from jaxserve.errors import InvalidRequestError, ModelNotFoundError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
 from jaxserve.runner.model_runner import AcceptedDrafts, PendingStep, PromptScores, SampledBatch
@@ -96,6 +96,7 @@ class LLMEngine:
                                    config.max_cpu_loras or config.max_loras) if config.enable_lora else None)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
+        self._lora_of: dict[str, int] = {}  # child request -> the LoRA adapter it holds (none: absent)
         self._arrivals = itertools.count()
         self._draw_seeds = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
@@ -104,12 +105,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
                     prompt: str | None = None, stream: bool = False, priority: int | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, load_lora: bool = True) -> None:
         """Queues a prompt for `params.n` continuations; raises InvalidRequestError (changing nothing) if it cannot run.
 
         With `stream`, every token the request's continuations gain is also reported through `pop_deltas`.
         `priority` (vLLM's keyword; None: `params.priority`) orders it under the priority scheduling policy.
-        `lora_request`: the LoRA adapter to run with (added first if new, LoraAdapterError if it cannot serve).
+        `lora_request`: the LoRA adapter to run with; with `load_lora` (the offline API) it is added first if it is
+        not served (LoraAdapterError if it cannot serve), without it (the server, which resolved the name earlier)
+        an adapter no longer served is refused (ModelNotFoundError).
         """
         params = params.with_priority(priority)
         if request_id in self._tracked:
@@ -118,7 +121,7 @@ class LLMEngine:
         check_prompt_tokens(ids, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len)
         max_new = self._max_new_tokens(len(ids), params)
         self._check_runner_limits(params)
-        lora_id = self._lora_id(lora_request)
+        lora_id = self._lora_id(lora_request, load_lora)
         children = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         base_seed = params.seed if params.seed is not None else int(self._draw_seeds.integers(2**32))
         tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
@@ -132,6 +135,7 @@ class LLMEngine:
                                                grammar=grammars[index], lora_id=lora_id))
             tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
             self._parent_of[child] = request_id
+            self._hold_lora(child, lora_id)
         self._tracked[request_id] = tracked
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -151,11 +155,22 @@ class LLMEngine:
     def list_loras(self) -> list[LoRARequest]:
         return self.loras.served() if self.loras is not None else []
 
-    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+    def _lora_id(self, lora_request: LoRARequest | None, load: bool) -> int:
         if lora_request is None:
             return 0
-        self.add_lora(lora_request)
+        if load or self.loras is None:
+            self.add_lora(lora_request)
+        elif self.loras.get(lora_request.lora_name) != lora_request:
+            raise ModelNotFoundError(f"the LoRA adapter {lora_request.lora_name!r} was unloaded before this request "
+                                     "reached the engine", param="model")
+        self.loras.ensure_read(lora_request.lora_int_id)  # may raise: before anything of the request is kept
         return lora_request.lora_int_id
+
+    def _hold_lora(self, child: str, lora_id: int) -> None:
+        """The child keeps its adapter in host memory until it ends (`_forget`), so steps never read a folder."""
+        if lora_id:
+            self.loras.hold(lora_id)
+            self._lora_of[child] = lora_id
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request at any point; its pages are free when this returns."""
@@ -174,6 +189,9 @@ class LLMEngine:
             self.abort_request(request_id)
         self._in_flight = None
         self.scheduler.forget_steps_in_flight()
+        if self.scheduler.adapter_slots is not None:
+            # The failure may have come from writing a slot its bookkeeping already gave an adapter.
+            self.scheduler.adapter_slots.reset()
         self._deltas.clear()
         self.runner.replace_lost_pool()
         if self.draft_runner is not None:
@@ -302,6 +320,9 @@ class LLMEngine:
 
     def _forget(self, child: str) -> None:
         self._parent_of.pop(child, None)
+        lora_id = self._lora_of.pop(child, 0)
+        if lora_id:
+            self.loras.release(lora_id)
 
     def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.config.max_model_len - prompt_len

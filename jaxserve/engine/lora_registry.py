@@ -2,8 +2,11 @@
 
 An adapter is read and checked against the base model when it is added (a bad folder is refused then, changing
 nothing), kept in host memory among the `max_cpu_loras` most recently used, and read again from its folder when a
-slot needs it after it was dropped. Removing an adapter takes its name away from new requests; requests already
-queued or running with it keep their id and finish with it.
+request needs it after it was dropped. A request holds its adapter in host memory from the moment it is added until
+it ends (`hold` / `release`), so a step, which writes adapters into device slots, never reads a folder: a folder
+gone bad fails only the request being added, never a step and the other requests in it. Removing an adapter takes
+its name away from new requests; requests already queued or running with it keep their id and finish with it. An id
+names one adapter for the engine's whole life: it is never given to another folder or name.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 
 from jaxserve.checkpoint.lora_adapter import LoraAdapter, load_lora_adapter
 from jaxserve.checkpoint.lora_slots import SlotWeights
-from jaxserve.errors import LoraAdapterError
+from jaxserve.errors import LoraNameTakenError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.model.config import LlamaConfig
 
@@ -32,19 +35,22 @@ class LoraRegistry:
         self._served: dict[str, LoRARequest] = {}  # name -> adapter, for new requests
         self._of_id: dict[int, LoRARequest] = {}  # id -> adapter, removed ones included (queued requests use them)
         self._read: collections.OrderedDict[int, LoraAdapter] = collections.OrderedDict()  # least recent first
+        self._holders: collections.Counter[int] = collections.Counter()  # id -> live requests holding it
 
     def add(self, request: LoRARequest) -> bool:
         """Serves the adapter from now on; False if it is served already (same name, id and folder). Raises
-        LoraAdapterError, changing nothing, for a folder that cannot serve or a name or id taken by another."""
+        LoraAdapterError, changing nothing, for a folder that cannot serve, LoraNameTakenError for a name served as
+        another adapter or an id ever given to another."""
         served = self._served.get(request.lora_name)
         if served == request:
             return False
         if served is not None:
-            raise LoraAdapterError(f"a LoRA adapter named {request.lora_name!r} is already loaded "
-                                   f"(id {served.lora_int_id}, {served.lora_path}); unload it first")
-        taken = next((s for s in self._served.values() if s.lora_int_id == request.lora_int_id), None)
-        if taken is not None:
-            raise LoraAdapterError(f"LoRA id {request.lora_int_id} already belongs to adapter {taken.lora_name!r}")
+            raise LoraNameTakenError(f"a LoRA adapter named {request.lora_name!r} is already loaded "
+                                     f"(id {served.lora_int_id}, {served.lora_path}); unload it first")
+        earlier = self._of_id.get(request.lora_int_id)
+        if earlier is not None and earlier != request:
+            raise LoraNameTakenError(f"LoRA id {request.lora_int_id} already belongs to adapter "
+                                     f"{earlier.lora_name!r} ({earlier.lora_path}); give this one another id")
         adapter = self._read_adapter(request)
         self._served[request.lora_name] = self._of_id[request.lora_int_id] = request
         self._remember(request.lora_int_id, adapter)
@@ -61,19 +67,38 @@ class LoraRegistry:
         """The adapters new requests may name, in the order they were added."""
         return list(self._served.values())
 
+    def ensure_read(self, lora_id: int) -> None:
+        """Reads adapter `lora_id` into host memory again if it was dropped (LoraAdapterError if its folder no longer
+        reads); call right before `hold`."""
+        if lora_id not in self._read:
+            self._remember(lora_id, self._read_adapter(self._of_id[lora_id]))
+
+    def hold(self, lora_id: int) -> None:
+        """A request of adapter `lora_id` (read: `ensure_read`) was added: keep the adapter in host memory until
+        `release`."""
+        self._holders[lora_id] += 1
+        self._read.move_to_end(lora_id)
+
+    def release(self, lora_id: int) -> None:
+        """A request that held `lora_id` ended."""
+        self._holders[lora_id] -= 1
+        if self._holders[lora_id] <= 0:
+            del self._holders[lora_id]
+
     def slot_weights(self, lora_id: int) -> SlotWeights:
-        """Adapter `lora_id` laid out for a device slot, read again from its folder if it was dropped."""
-        adapter = self._read.get(lora_id)
-        if adapter is None:
-            adapter = self._read_adapter(self._of_id[lora_id])
-        self._remember(lora_id, adapter)
+        """Adapter `lora_id` laid out for a device slot, from host memory (a held adapter is never dropped)."""
+        adapter = self._read[lora_id]
+        self._read.move_to_end(lora_id)
         return SlotWeights.of(adapter, self._running_config, self._max_rank)
 
     def _read_adapter(self, request: LoRARequest) -> LoraAdapter:
         return load_lora_adapter(Path(request.lora_path), self._stored_config, self._max_rank, request.lora_name)
 
     def _remember(self, lora_id: int, adapter: LoraAdapter) -> None:
+        """Keeps `adapter`, dropping the least recently used others no live request holds beyond max_cpu_loras
+        (held ones stay, even beyond it)."""
         self._read[lora_id] = adapter
         self._read.move_to_end(lora_id)
-        while len(self._read) > self._max_cpu_loras:
-            self._read.popitem(last=False)
+        droppable = [other for other in self._read if other != lora_id and other not in self._holders]
+        for dropped in droppable[:max(len(self._read) - self._max_cpu_loras, 0)]:
+            del self._read[dropped]

@@ -11,7 +11,7 @@ from quart import Quart, Response, jsonify, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from jaxserve.entrypoints.openai_body import error_body
-from jaxserve.errors import EngineDeadError, EngineStepError, InvalidRequestError, JaxserveError
+from jaxserve.errors import EngineDeadError, EngineStepError, InvalidRequestError, JaxserveError, ModelNotFoundError
 from jaxserve.server.sse import DONE, sse_event, sse_response
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ def as_api_error(error: BaseException) -> ApiError:
     """The ApiError a failure is answered with: bad input 400, engine failures 500/503, anything else 500."""
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, ModelNotFoundError):
+        return ApiError(404, str(error), error.param, kind="not_found_error")
     if isinstance(error, InvalidRequestError):
         return ApiError(400, str(error), error.param)
     if isinstance(error, JaxserveError):

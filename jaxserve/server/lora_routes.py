@@ -7,10 +7,12 @@ requests already queued or running with the adapter finish with it. Both need th
 
 from __future__ import annotations
 
+import asyncio
+
 from quart import Blueprint, Response
 
 from jaxserve.entrypoints.protocol import LoadLoraAdapterBody, UnloadLoraAdapterBody, parse_body
-from jaxserve.errors import LoraAdapterError
+from jaxserve.errors import LoraAdapterError, LoraNameTakenError
 from jaxserve.server.api_errors import ApiError
 from jaxserve.server.app import ServerContext, request_bytes, server_context
 from jaxserve.server.openapi import RouteSchema, declares
@@ -24,15 +26,20 @@ async def load_lora_adapter() -> Response:
     context = server_context()
     body = parse_body(LoadLoraAdapterBody, await request_bytes(), context.config.allow_unknown_fields)
     _check_enabled(context)
-    if body.lora_name in context.config.served_model_names or context.adapters.get(body.lora_name) is not None:
+    if body.lora_name in context.config.served_model_names or context.adapters.is_taken(body.lora_name):
         raise ApiError(400, f"the LoRA adapter {body.lora_name!r} has already been loaded (or names the served "
                             "model); unload it first", param="lora_name")
-    lora = context.adapters.new_request(body.lora_name, body.lora_path)
+    lora = context.adapters.reserve(body.lora_name, body.lora_path)
+    loading = asyncio.ensure_future(context.engine.add_lora(lora))
+    # Settled however the handler ends: a client that leaves mid-load must not leave the engine serving an adapter
+    # the server does not know (or the name reserved for good).
+    loading.add_done_callback(lambda done: context.adapters.settle(lora, accepted=_succeeded(done)))
     try:
-        await context.engine.add_lora(lora)
+        await asyncio.shield(loading)
+    except LoraNameTakenError as e:
+        raise ApiError(400, str(e), param="lora_name") from None
     except LoraAdapterError as e:
         raise ApiError(400, str(e), param="lora_path") from None
-    context.adapters.add(lora)
     return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", content_type="text/plain")
 
 
@@ -47,6 +54,10 @@ async def unload_lora_adapter() -> Response:
                        kind="not_found_error")
     await context.engine.remove_lora(body.lora_name)
     return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", content_type="text/plain")
+
+
+def _succeeded(done: asyncio.Future) -> bool:
+    return not done.cancelled() and done.exception() is None
 
 
 def _check_enabled(context: ServerContext) -> None:

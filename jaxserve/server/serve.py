@@ -57,9 +57,9 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
 def add_lora_modules(context: ServerContext) -> None:
     """Reads the --lora-modules adapters before the engine thread starts: a bad folder fails start-up."""
     for name, path in context.config.lora_modules:
-        lora = context.adapters.new_request(name, path)
+        lora = context.adapters.reserve(name, path)
         context.engine.engine.add_lora(lora)
-        context.adapters.add(lora)
+        context.adapters.settle(lora, accepted=True)
 
 
 async def _serve(context: ServerContext) -> None:

@@ -27,6 +27,7 @@ class ServedAdapters:
     def __init__(self):
         self._by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)  # never reused: an id names one folder for the engine's whole life
+        self._loading: set[str] = set()  # names whose load the engine thread has not answered yet
 
     def get(self, name: str) -> LoRARequest | None:
         return self._by_name.get(name)
@@ -35,9 +36,21 @@ class ServedAdapters:
         """In the order they were added."""
         return list(self._by_name.values())
 
-    def new_request(self, name: str, path: str) -> LoRARequest:
-        """The LoRARequest a new adapter is loaded under (recorded by `add` once the engine accepted it)."""
-        return LoRARequest(name, next(self._ids), path)
+    def is_taken(self, name: str) -> bool:
+        """Served, or being loaded."""
+        return name in self._by_name or name in self._loading
+
+    def reserve(self, name: str, path: str) -> LoRARequest:
+        """The LoRARequest a new adapter is loaded under; its name is taken until `settle`."""
+        lora = LoRARequest(name, next(self._ids), path)
+        self._loading.add(name)
+        return lora
+
+    def settle(self, lora: LoRARequest, accepted: bool) -> None:
+        """The engine accepted the reserved adapter (it is served from now on) or refused it (the name is free)."""
+        self._loading.discard(lora.lora_name)
+        if accepted:
+            self.add(lora)
 
     def add(self, lora: LoRARequest) -> None:
         self._by_name[lora.lora_name] = lora

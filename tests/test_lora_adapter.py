@@ -422,3 +422,15 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
     _rewrite_tensors(tmp_path, tensors)
     with pytest.raises(LoraAdapterError, match=f"{re.escape(name)}.*NaN or infinite"):
         _load(tmp_path)
+
+
+def test_a_folder_this_process_cannot_list_is_refused_not_crashed(tmp_path, monkeypatch):
+    _write_adapter(tmp_path)
+    (tmp_path / ADAPTER_CONFIG_FILE).unlink()  # so the loader lists the folder, looking for nested adapters
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", denied)
+    with pytest.raises(LoraAdapterError, match="cannot read LoRA adapter folder .*Permission denied"):
+        _load(tmp_path)

@@ -102,9 +102,12 @@ def load_lora_adapter(path: Path, config: LlamaConfig, max_lora_rank: int, name:
     if not path.is_dir():
         raise LoraAdapterError(f"LoRA adapter folder {path} does not exist" if not path.exists()
                                else f"LoRA adapter path {path} is not a folder")
-    _check_not_nested(path)
-    settings = read_lora_settings(path / ADAPTER_CONFIG_FILE, config, max_lora_rank)
-    weights = _read_weights(_weights_file(path), settings, config)
+    try:
+        _check_not_nested(path)
+        settings = read_lora_settings(path / ADAPTER_CONFIG_FILE, config, max_lora_rank)
+        weights = _read_weights(_weights_file(path), settings, config)
+    except OSError as e:  # a folder unreadable to this process, or one that vanished while read
+        raise LoraAdapterError(f"cannot read LoRA adapter folder {path}: {e}") from None
     return LoraAdapter(name=name or path.resolve().name, path=path, rank=settings.rank, scaling=settings.scaling,
                        weights=types.MappingProxyType(weights),
                        base_model_name_or_path=settings.base_model_name_or_path)

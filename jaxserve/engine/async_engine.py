@@ -75,6 +75,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None  # why the engine thread ended, when it ended unasked
+        self._calls: set[asyncio.Future] = set()  # answers of adapter changes the engine thread has not given yet
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -139,8 +140,12 @@ class AsyncEngine:
     async def _call(self, method: str, argument: object):
         self._check_alive()
         answer = asyncio.get_running_loop().create_future()
+        self._calls.add(answer)
         self._commands.put(_Call(method, argument, answer))
-        return await answer
+        try:
+            return await answer
+        finally:
+            self._calls.discard(answer)
 
     async def check_health(self, timeout: float) -> SchedulerStats:
         """Proves the engine thread takes commands (it answers between steps); raises EngineDeadError otherwise."""
@@ -238,8 +243,11 @@ class AsyncEngine:
         return True
 
     def _fail_streams(self, error: BaseException) -> None:
+        """Every caller still waiting on the engine thread hears `error`: requests and adapter changes alike."""
         for request_id in list(self._streams):
             self._deliver([(request_id, error)])
+        for answer in list(self._calls):
+            _fail(answer, error)
 
 
 def _resolve(future: asyncio.Future, value) -> None:

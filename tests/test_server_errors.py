@@ -196,6 +196,16 @@ def _send(http: httpx.Client, method: str, path: str, body, **kwargs) -> httpx.R
     return http.request(method, path, json=body, **kwargs)
 
 
+def _send_once_more_if_cut(http: httpx.Client, method: str, path: str, body) -> httpx.Response:
+    """`_send`, again once if the connection closed before a response was read: a 413 answered (and the connection
+    closed) while the client still sends the body it refuses can reach the client as a reset instead (HTTP allows
+    both); a server that crashed fails the checks after the table."""
+    try:
+        return _send(http, method, path, body)
+    except httpx.RemoteProtocolError:
+        return _send(http, method, path, body)
+
+
 def _assert_openai_error(response: httpx.Response, status: int, param: str | None) -> None:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
@@ -276,7 +286,7 @@ def test_requests_in_flight_complete_unchanged_through_the_whole_table(server, h
     solo = http.post(COMPLETIONS, json=greedy).json()
     with completions_meanwhile(server.base_url, greedy, {"Authorization": f"Bearer {API_KEY}"}) as meanwhile:
         for _, method, path, body, status, _ in BAD_REQUESTS:
-            assert _send(http, method, path, body).status_code == status
+            assert _send_once_more_if_cut(http, method, path, body).status_code == status
         for _, headers, body, status in BAD_ENCODINGS:
             assert http.post(COMPLETIONS, content=body, headers=headers).status_code == status
         test_chunked_body_over_the_limit_is_413(http)

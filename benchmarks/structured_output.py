@@ -10,8 +10,9 @@ request constrained by a JSON Schema against the same requests unconstrained, me
                 produced, so both generate the same tokens; rounds alternate the two (the starting one rotates).
                 Generated tokens/s per mode (medians) and the constrained/unconstrained ratio per round (median).
 
-Constrained requests run without async overlap (each mask follows the token sampled just before), so on a CPU,
-where a step of the tiny model takes about a millisecond, the ratio shows the lost overlap as much as the masks.
+Constrained requests keep async overlap: each step's masks are filled after the previous step is read back, while
+its forward pass runs (LLMEngine.step). On a CPU the "device" is the host's own cores and a step of the tiny model
+takes about a millisecond, so what overlap hides there is far less than on a GPU.
 
     python benchmarks/structured_output.py --out structured_output.json
 """

@@ -42,8 +42,9 @@ class SamplingRow:
     # of output_ids when the arrays are built (the live list then holds this draw's pending token), so one row can
     # serve a request step after step.
     step: int | None = None
-    # i32[ceil(vocab / 32)]: the tokens its grammar allows in this draw, as packed bits (bit t % 32 of word t // 32);
-    # None: every token (no structured output, or a chunk that does not sample)
+    # i32[ceil(vocab / 32)]: the tokens a grammar allows in this draw, as packed bits (bit t % 32 of word t // 32),
+    # for `build_sampling_tensors` (the reference builder); None: every token. The engine's steps leave it None and
+    # give the runner each step's masks once the tokens they follow are read back (ModelRunner.finish).
     token_mask: np.ndarray | None = None
 
     @property

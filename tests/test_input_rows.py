@@ -1,5 +1,7 @@
 """InputRows (block tables and sampling settings kept between steps) against the reference builders, step by step."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -33,10 +35,8 @@ class _Sequence:
         self.outputs: list[int] = []
         self.pages = [free_pages.pop() for _ in range(int(rng.integers(1, 3)))]
 
-    def chunk(self, rng: np.random.Generator) -> ScheduledSequence:
-        mask = np.packbits(rng.random(VOCAB) < 0.5, bitorder="little").view(np.int32) if rng.random() < 0.2 else None
-        row = SamplingRow(self.params, self.prompt, self.outputs, EOS, seed=self.seed, step=len(self.outputs),
-                          token_mask=mask)
+    def chunk(self) -> ScheduledSequence:
+        row = SamplingRow(self.params, self.prompt, self.outputs, EOS, seed=self.seed, step=len(self.outputs))
         return ScheduledSequence(self.name, (7,), len(self.prompt) + len(self.outputs), tuple(self.pages),
                                  samples=True, wants_prompt_logits=False, sampling=row)
 
@@ -69,13 +69,13 @@ def test_kept_rows_build_what_the_reference_builds(seed):
     for _ in range(60):
         _step(rng, live, free_pages, counter)
         present = [s for s in live if rng.random() < 0.9]  # a running request may sit a step out
-        chunks = [s.chunk(rng) for s in present]
+        chunks = [s.chunk() for s in present]
         num_rows = CAPACITY + int(rng.integers(0, 3))
-        history = 32 if any(c.sampling.params.uses_penalties for c in chunks) else 1
+        history = 64 if any(c.sampling.params.uses_penalties for c in chunks) else 1
         slots = rows.slots(chunks)
         np.testing.assert_array_equal(rows.block_table_rows(slots, num_rows),
                                       _block_tables(chunks, num_rows, MAX_PAGES))
-        kept = rows.sampling_tensors(chunks, slots, num_rows, history, mask_width=2)
-        built = build_sampling_tensors([c.sampling for c in chunks], num_rows, bias_width=BIAS, stop_width=STOPS,
-                                       history_width=history, mask_width=2)
+        kept = rows.sampling_tensors(chunks, slots, num_rows, history)
+        built = dataclasses.replace(build_sampling_tensors([c.sampling for c in chunks], num_rows, bias_width=BIAS,
+                                                           stop_width=STOPS, history_width=history), allowed=None)
         jax.tree.map(np.testing.assert_array_equal, kept, built)

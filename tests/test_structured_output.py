@@ -2,6 +2,7 @@
 oracle for JSON Schema), the on-device mask agrees with llguidance's own numpy mask, rows without a constraint are
 untouched beside constrained ones, nothing compiles after warm-up, and bad constraints are refused by name."""
 
+import dataclasses
 import json
 import re
 import sys
@@ -153,3 +154,55 @@ def test_a_sequence_starts_from_a_copy_of_the_compiled_matcher(tiny_llm):
     first, second = (tiny_llm.engine.grammars.matcher(constraint) for _ in range(2))
     first.accept(tiny_llm.tokenizer.encode("P", add_special_tokens=False)[0])
     assert not np.array_equal(first.next_mask(), second.next_mask())
+
+
+def _step_events(monkeypatch, engine) -> list[tuple]:
+    """Records, in order, each step's start (does it draw under a grammar), each read-back, and each finish (was
+    its forward pass already running, did it bring masks)."""
+    from jaxserve.runner.model_runner import PendingStep
+
+    events = []
+    start, finish, fetch = engine.runner.start, engine.runner.finish, PendingStep.fetch
+
+    def logged_start(schedule):
+        events.append(("start",))
+        return start(schedule)
+
+    def logged_finish(started, masks):
+        events.append(("finish", started.forward_running, bool(masks)))
+        return finish(started, masks)
+
+    def logged_fetch(self):
+        events.append(("fetch",))
+        return fetch(self)
+
+    monkeypatch.setattr(engine.runner, "start", logged_start)
+    monkeypatch.setattr(engine.runner, "finish", logged_finish)
+    monkeypatch.setattr(PendingStep, "fetch", logged_fetch)
+    return events
+
+
+def _masks_filled_while_the_forward_pass_ran(events: list[tuple]) -> int:
+    """Steps whose masks followed a read-back that came after their forward pass was dispatched."""
+    return sum(events[i:i + 3] == [("start",), ("fetch",), ("finish", True, True)] for i in range(len(events) - 2))
+
+
+def test_masks_are_filled_while_the_forward_pass_runs_and_change_no_token(tiny_llm, monkeypatch):
+    """Async overlap with grammars (each mask filled after the previous step's read-back, during the next step's
+    forward pass) gives exactly the tokens of the engine without overlap, which reads every step back first."""
+    constraints = [StructuredOutputsParams(json=SCHEMAS["$ref"]), StructuredOutputsParams(regex=r"[a-c]{3}-\d{2}"),
+                   None]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i, structured_outputs=c)
+              for i, c in enumerate(constraints)] + [SamplingParams(max_tokens=12, temperature=0)]
+    engine = tiny_llm.engine
+    runs = {}
+    for overlap in (True, False):
+        monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, async_scheduling=overlap))
+        events = _step_events(monkeypatch, engine)
+        outputs = tiny_llm.generate([PROMPT, "abc", "x y", PROMPT], params, use_tqdm=False)
+        runs[overlap] = [(c.token_ids, c.finish_reason) for output in outputs for c in output.outputs]
+        overlapped = _masks_filled_while_the_forward_pass_ran(events)
+        assert overlapped > 10 if overlap else overlapped == 0
+    assert runs[True] == runs[False]
+    jsonschema.validate(json.loads(tiny_llm.tokenizer.decode(runs[True][0][0])), SCHEMAS["$ref"])
+    assert engine.compiles_after_warmup == 0

@@ -4,6 +4,11 @@ With async scheduling the host schedules and prepares step N+1 while the device 
 is reading back step N's sampled tokens. Requests using penalties need their previous token on the host, so a step
 that carries one waits for the step before it.
 
+Structured output keeps the overlap: a grammar's mask for a draw must follow the token drawn just before, so a step
+with constrained rows is dispatched in two parts (ModelRunner.start / finish): its forward pass first, then, while
+that runs, step N is read back, the grammars follow its tokens and the masks are filled, and then its sampler. Only
+a step whose variant runs as one program (penalties, prompt scores, drafts) reads step N back before dispatching.
+
 Prompt log-probabilities (prompt_logprobs) arrive with the samples of the steps that compute the prompt, chunk by
 chunk; they are kept by prompt position, so a preempted request recomputing its prompt, or the n continuations of
 one prompt each computing it, fill each position once.
@@ -70,6 +75,16 @@ class _Tracked:
 
 
 @dataclasses.dataclass(frozen=True)
+class _ReadBack:
+    """A step's samples, read back and handed to the scheduler, before they reach the outputs."""
+
+    schedule: SchedulerOutput  # what was scheduled
+    batch: SampledBatch  # its samples on the host
+    sampled: dict[str, int]  # request id -> its sampled token, for the rows still running
+    accepted: dict[str, AcceptedDrafts]  # request id -> the drafts the step accepted before that token
+
+
+@dataclasses.dataclass(frozen=True)
 class _InFlight:
     """A dispatched step awaiting read-back."""
 
@@ -96,6 +111,7 @@ class LLMEngine:
                                    config.max_cpu_loras or config.max_loras) if config.enable_lora else None)
         self._tracked: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
+        self._constrained: set[str] = set()  # child requests under a grammar (structured output)
         self._lora_of: dict[str, int] = {}  # child request -> the LoRA adapter it holds (none: absent)
         self._arrivals = itertools.count()
         self._draw_seeds = np.random.default_rng(config.seed)
@@ -136,6 +152,8 @@ class LLMEngine:
             tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
             self._parent_of[child] = request_id
             self._hold_lora(child, lora_id)
+            if constraint:
+                self._constrained.add(child)
         self._tracked[request_id] = tracked
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -237,42 +255,76 @@ class LLMEngine:
         with self.phase_times.timing("dispatch"):
             for slot, lora_id in schedule.lora_loads:
                 self.runner.write_lora_slot(slot, self.loras.slot_weights(lora_id))
-            dispatched = None if schedule.is_empty else _InFlight(schedule, self.runner.execute(schedule))
+            started = None if schedule.is_empty else self.runner.start(schedule)
+        read_back = None
+        if started is not None and self._in_flight is not None and self._constrains(schedule):
+            read_back = self._read_back(self._in_flight)  # the masks follow its tokens
+        if started is not None:
+            with self.phase_times.timing("masks"):
+                masks = self._grammar_masks(schedule)
+            with self.phase_times.timing("dispatch"):
+                dispatched = _InFlight(schedule, self.runner.finish(started, masks))
+        else:
+            dispatched = None
         if self._in_flight is not None:
-            finished += self._complete(self._in_flight)
+            finished += self._assemble(read_back if read_back is not None else self._read_back(self._in_flight))
         self._in_flight = dispatched
         self.phase_times.steps += 1
         return finished
 
     def _may_overlap(self) -> bool:
         """Async overlap schedules a step before the previous one's tokens are read back, which penalties (they
-        count the outputs), grammars (each mask follows every earlier token) and speculative decoding (drafts
-        continue the known tokens) cannot wait for."""
+        count the outputs) and speculative decoding (drafts continue the known tokens) cannot wait for."""
         return self.config.async_scheduling and self.config.speculative_config is None and not any(
-            request.params.uses_penalties or request.grammar is not None
+            request.params.uses_penalties
             for request in map(self.scheduler.get_request, self._parent_of) if request is not None
         )
 
+    def _constrains(self, schedule: SchedulerOutput) -> bool:
+        """Some row of the step draws under a grammar."""
+        return bool(self._constrained) and any(s.samples and s.request_id in self._constrained
+                                               for s in schedule.sequences)
+
+    def _grammar_masks(self, schedule: SchedulerOutput) -> dict[int, np.ndarray]:  # row -> i32[W]
+        """The masks of the step's constrained draws, each following every token read back so far (a grammar
+        already done, its request finishing, draws unconstrained: that sample is never used)."""
+        if not self._constrained:
+            return {}
+        masks = {}
+        for row, scheduled in enumerate(schedule.sequences):
+            if scheduled.samples and scheduled.request_id in self._constrained:
+                grammar = self.scheduler.get_request(scheduled.request_id).grammar
+                if not grammar.done:
+                    masks[row] = grammar.next_mask()
+        return masks
+
     def _complete(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Reads a step's samples back, hands them to the scheduler and to each sequence's output assembly."""
+        return self._assemble(self._read_back(in_flight))
+
+    def _read_back(self, in_flight: _InFlight) -> _ReadBack:
+        """Waits for a step's samples and hands them to the scheduler (grammars follow them there)."""
         with self.phase_times.timing("wait"):
             batch = in_flight.step.fetch()
         with self.phase_times.timing("outputs"):
-            return self._take_samples(in_flight, batch)
+            self._record_prompt_scores(in_flight.schedule, batch)
+            sampled = {s.request_id: int(batch.token_ids[row]) for row, s in enumerate(in_flight.schedule.sequences)
+                       if s.samples and s.request_id in self._parent_of}
+            accepted = {in_flight.schedule.sequences[row].request_id: drafts
+                        for row, drafts in batch.accepted_drafts.items()}
+            self.scheduler.update_from_output(in_flight.schedule, sampled, {
+                request_id: len(drafts.token_ids) for request_id, drafts in accepted.items()})
+        return _ReadBack(in_flight.schedule, batch, sampled, accepted)
 
-    def _take_samples(self, in_flight: _InFlight, batch: SampledBatch) -> list[RequestOutput]:
-        self._record_prompt_scores(in_flight.schedule, batch)
-        sampled = {s.request_id: int(batch.token_ids[row])
-                   for row, s in enumerate(in_flight.schedule.sequences) if s.samples and s.request_id in self._parent_of}
-        accepted = {in_flight.schedule.sequences[row].request_id: drafts
-                    for row, drafts in batch.accepted_drafts.items()}
-        self.scheduler.update_from_output(in_flight.schedule, sampled,
-                                          {request_id: len(drafts.token_ids) for request_id, drafts in accepted.items()})
+    def _assemble(self, read_back: _ReadBack) -> list[RequestOutput]:
+        """A read-back step's tokens into each sequence's output: the requests that finished with them."""
         finished = []
-        for row, scheduled in enumerate(in_flight.schedule.sequences):
-            if scheduled.request_id in sampled:
-                output = self._append_run(scheduled, accepted.get(scheduled.request_id), batch, row)
-                finished += [output] if output is not None else []
+        with self.phase_times.timing("outputs"):
+            for row, scheduled in enumerate(read_back.schedule.sequences):
+                if scheduled.request_id in read_back.sampled:
+                    output = self._append_run(scheduled, read_back.accepted.get(scheduled.request_id),
+                                              read_back.batch, row)
+                    finished += [output] if output is not None else []
         return finished
 
     def _append_run(self, scheduled: ScheduledSequence, drafts: AcceptedDrafts | None, batch: SampledBatch,
@@ -320,6 +372,7 @@ class LLMEngine:
 
     def _forget(self, child: str) -> None:
         self._parent_of.pop(child, None)
+        self._constrained.discard(child)
         lora_id = self._lora_of.pop(child, 0)
         if lora_id:
             self.loras.release(lora_id)

@@ -51,8 +51,8 @@ class Request:
         self.seed = seed  # of its draws: the request's own seed, or one the engine drew for it
         self.eos_token_ids = eos_token_ids  # the tokenizer's EOS ids, which min_tokens holds back
         # Structured output: where the outputs so far leave the grammar (it follows each token as it is read back;
-        # preemption keeps it, since the outputs stay). The engine runs such requests without async overlap, so
-        # the mask of each draw follows every earlier token.
+        # preemption keeps it, since the outputs stay). The engine fills each draw's mask after reading back the
+        # token before it, while the step's forward pass already runs (LLMEngine.step).
         self.grammar = grammar
         self.lora_id = lora_id  # its LoRA adapter's id (LoRARequest.lora_int_id); 0: the base model
         self.lora_slot = 0  # the device slot holding that adapter while the request runs; 0: none

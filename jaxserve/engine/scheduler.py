@@ -61,7 +61,7 @@ from jaxserve.engine.ngram_proposer import NgramProposer
 from jaxserve.engine.proposers import DraftSlot, Proposer
 from jaxserve.engine.scheduler_stats import SchedulerStats, SpecDecodeStats
 from jaxserve.errors import InvalidRequestError
-from jaxserve.schedule import SamplingRow, ScheduledSequence, SchedulerOutput
+from jaxserve.schedule import ScheduledSequence, SchedulerOutput
 from jaxserve.speculative_config import NGRAM_METHOD
 
 _NO_PREFIX = PrefixMatch()
@@ -314,7 +314,7 @@ class Scheduler:
             samples=samples,
             # Logits at position p score prompt token p + 1; the last prompt position's logits are the sample's.
             wants_prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1,
-            sampling=_sampling_row(request, samples),
+            sampling=request.sampling_row,
             lora_slot=request.lora_slot,
         ))
         plan.token_budget -= num_new
@@ -434,13 +434,3 @@ def _may_draft(request: Request) -> bool:
     known), no grammar constrains it and min_tokens is met (each draw of a run would need its own EOS mask)."""
     return (request.num_pending_tokens == 1 and request.grammar is None
             and request.num_output_tokens > request.params.min_tokens)
-
-
-def _sampling_row(request: Request, samples: bool) -> SamplingRow:
-    """How the request's next token is drawn; read after its pending token is booked, so the draw's step counts it.
-
-    One row serves an unconstrained request for its whole life (its step is read from the live outputs); a grammar's
-    mask changes with every token, so a constrained draw gets a row of its own."""
-    if samples and request.grammar is not None:
-        return dataclasses.replace(request.sampling_row, token_mask=request.grammar.next_mask())
-    return request.sampling_row

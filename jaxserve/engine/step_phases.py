@@ -16,12 +16,14 @@ class StepPhaseTimes:
     steps: int = 0  # LLMEngine.step calls
     schedule_s: float = 0.0  # Scheduler.schedule: choosing the batch and its pages
     dispatch_s: float = 0.0  # the runner's input preparation, host-to-device transfer and program launch
+    masks_s: float = 0.0  # grammar masks of the step's constrained draws (structured output)
     wait_s: float = 0.0  # blocked reading a step's samples back: device time the host's work did not hide
     outputs_s: float = 0.0  # samples into the scheduler and into each request's output (detokenizing included)
 
     @contextlib.contextmanager
     def timing(self, phase: str) -> Iterator[None]:
-        """Adds the block's wall time to the phase named `phase` (`schedule`, `dispatch`, `wait` or `outputs`)."""
+        """Adds the block's wall time to the phase named `phase` (`schedule`, `dispatch`, `masks`, `wait` or
+        `outputs`)."""
         started = time.perf_counter()
         try:
             yield

@@ -17,7 +17,8 @@ Steps that score prompt tokens (prompt_logprobs, evaluation traffic) have their 
 with penalties. With speculative decoding, steps carrying drafts have a verifying variant once per token count
 (without penalties or scoring: the scheduler proposes no drafts into such steps). At 64 sequences and 8192 tokens that is 55 programs (21 shapes: 11 decode and 13 mixed, of which 3
 coincide, twice each, and 13 scoring); 63 at 256 sequences; the full product with four sampler variants was 276. `benchmarks/padding_waste.py` measures what
-the grid costs in padding.
+the grid costs in padding. A plain bucket (no penalties, scoring or drafts) compiles as a forward program, and its
+sampler as a program per row count (11 more at 64 sequences: runner/model_runner.py).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ sequence missing from a step gives its slot back (finished, preempted or waiting
 rows.
 
 The settings of a slot are written by `build_sampling_tensors` for that one row, and the dynamic parts (step, the
-min_tokens block, grammar masks, penalty histories) by the same helpers the reference path uses, so both paths
-follow one set of rules; `tests/test_input_rows.py` checks that they build identical arrays.
+min_tokens block, penalty histories) by the same helpers the reference path uses, so both paths follow one set of
+rules; `tests/test_input_rows.py` checks that they build identical arrays. Grammar masks are not built here: the
+runner sends them on their own, once the engine has filled them (ModelRunner.finish).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxserve.runner.sampler import (PenaltyTensors, SamplingTensors, TruncationTensors, build_sampling_tensors,
-                                     penalty_tensors, token_masks)
+                                     penalty_tensors)
 from jaxserve.schedule import NULL_PAGE, SamplingRow, ScheduledSequence
 
 class InputRows:
@@ -56,8 +57,9 @@ class InputRows:
         return self.block_tables[self._padded(slots, num_rows)]
 
     def sampling_tensors(self, chunks: Sequence[ScheduledSequence], slots: np.ndarray, num_rows: int,
-                         history_width: int, mask_width: int) -> SamplingTensors:
-        """What `build_sampling_tensors` builds for these chunks' rows padded to num_rows, from the slots."""
+                         history_width: int) -> SamplingTensors:
+        """What `build_sampling_tensors` builds for these chunks' rows padded to num_rows, from the slots, but the
+        token masks (allowed: None)."""
         rows = [c.sampling for c in chunks]
         padded = self._padded(slots, num_rows)
         kept = {name: leaf[padded] for name, leaf in self._settings.items()}
@@ -70,7 +72,7 @@ class InputRows:
             greedy=kept["greedy"], temperature=kept["temperature"], seeds=kept["seeds"], steps=steps,
             bias_ids=kept["bias_ids"], bias_values=kept["bias_values"], stop_ids=kept["stop_ids"],
             block_stop_ids=num_outputs < self.min_tokens[padded],
-            allowed=token_masks(rows, num_rows, mask_width),
+            allowed=None,
             penalties=PenaltyTensors(
                 history_ids=histories.history_ids if histories else np.full((num_rows, 1), -1, np.int32),
                 history_is_output=histories.history_is_output if histories else np.zeros((num_rows, 1), np.bool_),

@@ -14,6 +14,12 @@ A step holding chunks that score prompt tokens (prompt_logprobs) runs the bucket
 returns, for every token of those chunks, the log-probability of the next prompt token; the host reads them back
 together with the samples. A step holding speculative drafts runs the bucket's verifying variant
 (jaxserve/runner/speculative.py), which returns, per row, the accepted drafts and the token sampled after them.
+
+A plain step (no penalties, prompt scores or drafts: most steps) runs as two programs, the forward pass of its bucket
+and the sampler of its row count (runner/step.py), dispatched by `start` and `finish`: between the two the engine
+reads the previous step back and fills the grammar masks of structured output while the forward pass runs. Other
+variants run as one program, dispatched by `finish`. The token masks (i32[S, ceil(vocab / 32)]) are a program input
+of their own, so a step without structured output sends none: an all-ones mask per row count stays on the device.
 """
 
 from __future__ import annotations
@@ -52,8 +58,11 @@ from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
 from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors
 from jaxserve.runner.speculative import VerifiedDrafts, build_draft_arrays
 from jaxserve.runner.packed_inputs import PackedLayout
-from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult, run_packed_step
+from jaxserve.runner.step import (LogitsShardings, StepArrays, StepResult, run_packed_forward, run_packed_sampling,
+                                  run_packed_step)
 from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput, mask_width
+
+ALL_ALLOWED = -1  # a word of the token masks with all 32 bits set: every token allowed
 
 @dataclasses.dataclass(frozen=True)
 class PromptScores:
@@ -126,10 +135,29 @@ class PendingStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class StartedStep:
+    """A step whose inputs are prepared and on the devices; a plain step's forward program already runs.
+    `ModelRunner.finish` dispatches the rest."""
+
+    schedule: SchedulerOutput  # what it computes
+    bucket: StepBucket  # its compiled shape
+    host_arrays: StepArrays  # its padded inputs (sampling.allowed: None)
+    # f32[S, vocab]: the logits of the rows to sample, from the forward program already dispatched; None: nothing is
+    # dispatched yet (a variant that runs as one program, or lockstep, which launches both programs at once)
+    logits: jax.Array | None
+    sampling_inputs: jax.Array | None  # i32[size]: the packed sampling tensors, on the devices, with logits
+
+    @property
+    def forward_running(self) -> bool:
+        """Its forward pass was dispatched: the masks given to `finish` may follow tokens read back meanwhile."""
+        return self.logits is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class WarmupStats:
     """What compiling the step programs cost at start-up."""
 
-    programs: int  # step programs compiled (or loaded from the persistent compilation cache)
+    programs: int  # step and sampling programs compiled (or loaded from the persistent compilation cache)
     lower_seconds: float  # tracing and lowering all of them, in this thread
     compile_seconds: float  # wall time from the first compile started to the last one done (they run in parallel)
 
@@ -184,12 +212,23 @@ class ModelRunner:
         self._jitted = jax.jit(functools.partial(run_packed_step, graphdef, logits_shardings=logits_shardings),
                                static_argnames=("layout", "num_top_logprobs"), donate_argnames="pool",
                                out_shardings=(self._replicated, self._pool_leaf_shardings()))
+        self._jitted_forward = jax.jit(
+            functools.partial(run_packed_forward, graphdef, logits_shardings=logits_shardings),
+            static_argnames=("layout",), donate_argnames="pool",
+            out_shardings=(self._replicated, self._pool_leaf_shardings()))
+        self._jitted_sampling = jax.jit(run_packed_sampling, static_argnames=("layout", "num_top_logprobs", "max_rows"),
+                                        out_shardings=self._replicated)
+        # Per bucket: its one program, or a plain bucket's forward program
         self._programs: dict[StepBucket, jax.stages.Compiled] = {}
         self._layouts: dict[StepBucket, PackedLayout] = {}  # each bucket's inputs in its one transfer buffer
+        self._sampling_programs: dict[int, jax.stages.Compiled] = {}  # row count -> plain steps' sampler
+        self._sampling_layouts: dict[int, PackedLayout] = {}  # row count -> its sampling tensors' transfer buffer
+        self._mask_width = mask_width(model_config.vocab_size)  # W: words of a row's token mask
+        self._all_allowed: dict[int, jax.Array] = {}  # row count -> i32[S, W] of ALL_ALLOWED, kept on the devices
         self.warmup_stats: WarmupStats | None = None  # set by warm_up
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
         # The per-step broadcast when the mesh spans processes; None on one process.
-        self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_arrays) if spans_processes(self.mesh)
+        self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_message) if spans_processes(self.mesh)
                          else None)
         if self._channel is not None and self.lora is not None:
             raise ConfigError("LoRA adapters (enable_lora) do not run on a mesh over several processes yet")
@@ -235,51 +274,121 @@ class ModelRunner:
         Each program is lowered here, then compiled on a thread pool (XLA compiles release the GIL), one per core,
         while the next ones lower. Two bars count programs lowered and compiled, each to its total.
         """
-        buckets = self.buckets.all_buckets()
+        programs = ([(self._programs, bucket, functools.partial(self._lower, bucket, num_pages))
+                     for bucket in self.buckets.all_buckets()]
+                    + [(self._sampling_programs, rows, functools.partial(self._lower_sampling, rows))
+                       for rows in self._sampling_row_counts()])
         started = time.perf_counter()
         lower_seconds = 0.0
         with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
-              _program_bar("lower", len(buckets), progress) as lowered_bar,
-              _program_bar("compile", len(buckets), progress) as compiled_bar):
+              _program_bar("lower", len(programs), progress) as lowered_bar,
+              _program_bar("compile", len(programs), progress) as compiled_bar):
             compiling = {}
-            for bucket in buckets:
+            for store, key, lower in programs:
                 lower_started = time.perf_counter()
                 with self.guard.watch():
-                    lowered = self._lower(bucket, num_pages)
+                    lowered = lower()
                 lower_seconds += time.perf_counter() - lower_started
                 lowered_bar.update()
-                compiling[workers.submit(self._compile_watched, lowered)] = bucket
+                compiling[workers.submit(self._compile_watched, lowered)] = (store, key)
             for done in concurrent.futures.as_completed(compiling):
-                self._programs[compiling[done]] = done.result()
+                store, key = compiling[done]
+                store[key] = done.result()
                 compiled_bar.update()
         if self.lora is not None:
             self.lora.compile_writer(self.guard)
-        self.warmup_stats = WarmupStats(len(buckets), lower_seconds, time.perf_counter() - started)
+        self.warmup_stats = WarmupStats(len(programs), lower_seconds, time.perf_counter() - started)
         if self._channel is not None:
             with self.guard.watch():
                 self._channel.warm_up()
         self.guard.arm()
 
     def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
+        """The bucket's one program, or a plain bucket's forward program."""
         layout = self._layout(bucket)
         packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._replicated)
         lora = jax.tree.map(_abstract, self.lora.stack) if self.lora is not None else None
-        return self._jitted.lower(self._abstract_params, self._pool_shape(num_pages), self._last_tokens, packed, lora,
-                                  layout=layout, num_top_logprobs=self.config.max_logprobs)
+        pool = self._pool_shape(num_pages)
+        if splits(bucket):
+            return self._jitted_forward.lower(self._abstract_params, pool, self._last_tokens, packed, lora,
+                                              layout=layout)
+        return self._jitted.lower(self._abstract_params, pool, self._last_tokens, packed,
+                                  self._abstract_allowed(bucket.num_seqs), lora, layout=layout,
+                                  num_top_logprobs=self.config.max_logprobs)
+
+    def _lower_sampling(self, num_rows: int) -> jax.stages.Lowered:
+        """The sampler of plain steps of `num_rows` rows."""
+        layout = self._sampling_layout(num_rows)
+        logits = jax.ShapeDtypeStruct((num_rows, self.model_config.vocab_size), np.float32, sharding=self._replicated)
+        packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._replicated)
+        return self._jitted_sampling.lower(logits, packed, self._abstract_allowed(num_rows), layout=layout,
+                                           num_top_logprobs=self.config.max_logprobs, max_rows=self.buckets.max_rows)
+
+    def _abstract_allowed(self, num_rows: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((num_rows, self._mask_width), np.int32, sharding=self._replicated)
+
+    @property
+    def num_programs(self) -> int:
+        """Programs `warm_up` compiles: one per bucket and a sampler per row count of the plain buckets."""
+        return len(self.buckets.all_buckets()) + len(self._sampling_row_counts())
+
+    def _sampling_row_counts(self) -> list[int]:
+        """The row counts of the plain buckets: one sampling program each."""
+        return sorted({bucket.num_seqs for bucket in self.buckets.all_buckets() if splits(bucket)})
 
     def _layout(self, bucket: StepBucket) -> PackedLayout:
+        """The transfer buffer of the bucket's program (of a plain bucket's forward program: no sampling tensors)."""
         if bucket not in self._layouts:
-            self._layouts[bucket] = PackedLayout.of(self._padding_arrays(bucket))
+            arrays = self._padding_arrays(bucket)
+            self._layouts[bucket] = PackedLayout.of(dataclasses.replace(arrays, sampling=None) if splits(bucket)
+                                                    else arrays)
         return self._layouts[bucket]
+
+    def _sampling_layout(self, num_rows: int) -> PackedLayout:
+        if num_rows not in self._sampling_layouts:
+            self._sampling_layouts[num_rows] = PackedLayout.of(self._padding_arrays(StepBucket(num_rows,
+                                                                                               num_rows)).sampling)
+        return self._sampling_layouts[num_rows]
 
     def _compile_watched(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         with self.guard.watch():
             return lowered.compile()
 
-    def execute(self, schedule: SchedulerOutput) -> PendingStep:
-        """Dispatches the scheduled step and returns without waiting."""
+    def execute(self, schedule: SchedulerOutput,
+                masks: dict[int, np.ndarray] | None = None) -> PendingStep:  # row -> i32[W]
+        """Dispatches the scheduled step and returns without waiting; `masks`: the token masks of the rows that
+        have one (structured output), by row."""
+        return self.finish(self.start(schedule), masks or {})
+
+    def start(self, schedule: SchedulerOutput) -> StartedStep:
+        """Prepares the step and puts its inputs on the devices; a plain step's forward program starts running."""
         with self.guard.watch():
-            return self._execute(schedule)
+            with jax.profiler.TraceAnnotation("prepare"):
+                bucket, host_arrays = self.prepare(schedule)
+            if not splits(bucket) or self._channel is not None:
+                return StartedStep(schedule, bucket, host_arrays, logits=None, sampling_inputs=None)
+            with jax.profiler.TraceAnnotation("forward"):
+                step_inputs, sampling_inputs = self.transfer(bucket, host_arrays)
+                logits = self._run_forward(bucket, step_inputs)
+            return StartedStep(schedule, bucket, host_arrays, logits, sampling_inputs)
+
+    def finish(self, started: StartedStep,
+               masks: dict[int, np.ndarray]) -> PendingStep:  # row -> i32[W]: rows with a token mask
+        """Dispatches the rest of a started step (its sampler, or its whole program) and returns without waiting."""
+        bucket, chunks = started.bucket, started.schedule.sequences
+        with self.guard.watch(), jax.profiler.TraceAnnotation("sample"):
+            allowed = self._host_allowed(bucket.num_seqs, masks)
+            if started.forward_running:
+                result = self._sampling_programs[bucket.num_seqs](started.logits, started.sampling_inputs,
+                                                                  self._device_allowed(bucket.num_seqs, allowed))
+                self._last_tokens = result.last_tokens
+            else:
+                if self._channel is not None:
+                    self._channel.send_step(bucket, (started.host_arrays, self._message_allowed(bucket, allowed)))
+                result = self._run_program(bucket, started.host_arrays, allowed)
+        self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
+        return PendingStep(result, len(chunks), _prompt_spans(chunks) if bucket.prompt_logits else (),
+                           draft_rows=[row for row, c in enumerate(chunks) if c.num_draft_tokens])
 
     def prepare(self, schedule: SchedulerOutput) -> tuple[StepBucket, StepArrays]:
         """The bucket of this batch and its padded inputs as host arrays (pure numpy: the host's share of a step)."""
@@ -323,32 +432,66 @@ class ModelRunner:
         return (cfg.num_hidden_layers, num_pages, self.config.block_size, cfg.num_key_value_heads, cfg.head_dim,
                 self.kv_dtype)
 
-    def _execute(self, schedule: SchedulerOutput) -> PendingStep:
-        chunks = schedule.sequences
-        # Host spans in profiler traces; the device side carries the step's own named scopes.
-        with jax.profiler.TraceAnnotation("prepare"):
-            bucket, host_arrays = self.prepare(schedule)
-            if self._channel is not None:
-                self._channel.send_step(bucket, host_arrays)
-        result = self._run_program(bucket, host_arrays)
-        self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
-        return PendingStep(result, len(chunks), _prompt_spans(chunks) if bucket.prompt_logits else (),
-                           draft_rows=[row for row, c in enumerate(chunks) if c.num_draft_tokens])
-
-    def _run_program(self, bucket: StepBucket, host_arrays: StepArrays) -> StepResult:
-        """Launches the bucket's program on the pool; the same call on every process of a lockstep group."""
+    def _run_program(self, bucket: StepBucket, host_arrays: StepArrays,
+                     allowed: np.ndarray | None) -> StepResult:  # i32[S, W] token masks; None: all allowed
+        """Launches the whole step (both programs of a plain bucket) on the pool; the same call on every process
+        of a lockstep group."""
         with jax.profiler.TraceAnnotation("step"):
-            packed = self.transfer(bucket, host_arrays)
-            lora = self.lora.stack if self.lora is not None else None
-            result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, packed, lora)
-        self.bucket_counts[bucket] += 1
+            step_inputs, sampling_inputs = self.transfer(bucket, host_arrays)
+            device_allowed = self._device_allowed(bucket.num_seqs, allowed)
+            if splits(bucket):
+                result = self._sampling_programs[bucket.num_seqs](self._run_forward(bucket, step_inputs),
+                                                                  sampling_inputs, device_allowed)
+            else:
+                result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, step_inputs,
+                                                           device_allowed, self._lora_stack())
+                self.bucket_counts[bucket] += 1
         self._last_tokens = result.last_tokens
         return result
 
-    def transfer(self, bucket: StepBucket, host_arrays: StepArrays) -> jax.Array:
-        """The step's inputs packed into one buffer (i32[size]) and put on the devices: the host's last share of a
-        step before its program runs."""
-        return self._to_devices(self._layout(bucket).pack(host_arrays))
+    def _run_forward(self, bucket: StepBucket, step_inputs: jax.Array) -> jax.Array:  # f32[S, vocab]
+        logits, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, step_inputs,
+                                                   self._lora_stack())
+        self.bucket_counts[bucket] += 1
+        return logits
+
+    def _lora_stack(self):
+        return self.lora.stack if self.lora is not None else None
+
+    def transfer(self, bucket: StepBucket, host_arrays: StepArrays) -> tuple[jax.Array, jax.Array | None]:
+        """The step's inputs packed into one buffer (i32[size]) and put on the devices, with a plain step's sampling
+        tensors in a second one (else None): the host's last share of a step before its programs run."""
+        if not splits(bucket):
+            return self._to_devices(self._layout(bucket).pack(host_arrays)), None
+        forward = self._layout(bucket).pack(dataclasses.replace(host_arrays, sampling=None))
+        sampling = self._sampling_layout(bucket.num_seqs).pack(host_arrays.sampling)
+        return self._to_devices(forward), self._to_devices(sampling)
+
+    def _host_allowed(self, num_rows: int,
+                      masks: dict[int, np.ndarray]) -> np.ndarray | None:  # i32[S, W]; None: every token allowed
+        if not masks:
+            return None
+        allowed = np.full((num_rows, self._mask_width), ALL_ALLOWED, np.int32)
+        for row, mask in masks.items():
+            allowed[row] = mask
+        return allowed
+
+    def _device_allowed(self, num_rows: int, allowed: np.ndarray | None) -> jax.Array:  # i32[S, W]
+        """The masks on the devices; without any, the row count's all-ones masks kept there (sent once)."""
+        if allowed is not None:
+            return self._to_devices(allowed)
+        if num_rows not in self._all_allowed:
+            self._all_allowed[num_rows] = self._to_devices(
+                np.full((num_rows, self._mask_width), ALL_ALLOWED, np.int32))
+        return self._all_allowed[num_rows]
+
+    def _message_allowed(self, bucket: StepBucket, allowed: np.ndarray | None) -> np.ndarray:  # i32[S, W]
+        """Lockstep messages carry every step's masks (of fixed shape), all ones or not."""
+        return allowed if allowed is not None else np.full((bucket.num_seqs, self._mask_width), ALL_ALLOWED, np.int32)
+
+    def _padding_message(self, bucket: StepBucket) -> tuple[StepArrays, np.ndarray]:
+        """What a lockstep message of the bucket carries, with its shapes: the step's arrays and its masks."""
+        return self._padding_arrays(bucket), self._message_allowed(bucket, None)
 
     def _to_devices(self, packed: np.ndarray) -> jax.Array:
         """The step's inputs (i32[size], PackedLayout), replicated over the mesh in one transfer.
@@ -368,8 +511,9 @@ class ModelRunner:
     def follow(self) -> None:
         """Follower: runs every step the leader broadcasts until the leader stops; results stay on the devices."""
         while (step := self._channel.receive()) is not None:
+            bucket, (host_arrays, allowed) = step
             with self.guard.watch():
-                self._run_program(*step)
+                self._run_program(bucket, host_arrays, allowed)
 
     def stop_followers(self) -> None:
         """Leader: ends the followers' `follow` loops (nothing to do on one process)."""
@@ -408,18 +552,24 @@ class ModelRunner:
                           else None)
 
     def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket, slots: np.ndarray | None):
-        """The rows' sampling settings: from the kept rows (slots), or built afresh (the reference path)."""
+        """The rows' sampling settings but their token masks (allowed: None): from the kept rows (slots), or built
+        afresh (the reference path)."""
         history_width = self._history_width if bucket.penalties else 1
-        words = mask_width(self.model_config.vocab_size)
         if slots is not None:
-            return self._input_rows.sampling_tensors(chunks, slots, bucket.num_seqs, history_width, words)
-        return build_sampling_tensors(
+            return self._input_rows.sampling_tensors(chunks, slots, bucket.num_seqs, history_width)
+        return dataclasses.replace(build_sampling_tensors(
             [c.sampling for c in chunks], bucket.num_seqs, bias_width=self.config.max_logit_bias,
-            stop_width=self.config.max_stop_ids, history_width=history_width, mask_width=words)
+            stop_width=self.config.max_stop_ids, history_width=history_width, mask_width=1), allowed=None)
 
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""
         return self._step_arrays([], bucket)
+
+
+def splits(bucket: StepBucket) -> bool:
+    """A plain bucket runs as a forward program and a sampling program; other variants (penalties, prompt scores,
+    drafts: their samplers read more than the sampled rows' logits) as one program."""
+    return not (bucket.penalties or bucket.prompt_logits or bucket.drafts)
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:

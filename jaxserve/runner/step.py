@@ -2,6 +2,11 @@
 in a step carrying speculative drafts, logits at every draft's position → verification (runner/speculative.py).
 
 A pure function of (weights, pool, step arrays); the pool is donated, so the KV writes happen in place.
+
+A plain step (no penalties, prompt scores or drafts) also runs as two programs, `run_packed_forward` (layers and the
+sampled rows' logits) then `run_packed_sampling` (the sampler): the host can then fill the grammar masks of
+structured output while the forward pass runs, after reading back the tokens those masks follow (vLLM splits its
+step the same way). `run_step` is the same computation in one program: the reference the split is tested against.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ class StepArrays:
     positions: jax.Array  # i32[T]: each token's position in its sequence
     metadata: PagedAttentionMetadata  # where tokens write and what they attend to
     sample_index: jax.Array  # i32[S]: the token whose logits row s samples (the last of its chunk)
-    sampling: SamplingTensors  # per-row sampling settings
+    # Per-row sampling settings. In the runner's host arrays `allowed` is None (the masks travel on their own), and
+    # the packed buffer of a split step's forward program carries none of it (None).
+    sampling: SamplingTensors | None
     # i32[T]: the prompt token following each token, 0 where none is scored; None (another compiled variant): no
     # chunk of the step scores prompt tokens
     prompt_targets: jax.Array | None = None
@@ -65,14 +72,42 @@ class StepResult:
 
 
 def run_packed_step(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, previous_tokens: jax.Array,
-                    packed: jax.Array,  # i32[layout.size]: the step's StepArrays in one buffer
+                    packed: jax.Array,  # i32[layout.size]: the step's StepArrays in one buffer, but the token masks
+                    allowed: jax.Array,  # i32[S, W]: SamplingTensors.allowed, sent on its own (all ones kept on device)
                     lora: LoraStack | None,  # the adapter slots; None: no adapters
                     layout: PackedLayout,  # static: the bucket's
                     num_top_logprobs: int,  # static
                     logits_shardings: LogitsShardings | None = None) -> tuple[StepResult, PagedKVCache]:
-    """`run_step` on inputs that arrived in one transfer."""
-    return run_step(graphdef, params, pool, previous_tokens, layout.unpack(packed), num_top_logprobs, logits_shardings,
-                    lora)
+    """`run_step` on inputs that arrived in one transfer (and the masks)."""
+    arrays = layout.unpack(packed)
+    arrays = dataclasses.replace(arrays, sampling=dataclasses.replace(arrays.sampling, allowed=allowed))
+    return run_step(graphdef, params, pool, previous_tokens, arrays, num_top_logprobs, logits_shardings, lora)
+
+
+def run_packed_forward(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, previous_tokens: jax.Array,
+                       packed: jax.Array,  # i32[layout.size]: the step's StepArrays without sampling in one buffer
+                       lora: LoraStack | None,  # the adapter slots; None: no adapters
+                       layout: PackedLayout,  # static: the bucket's
+                       logits_shardings: LogitsShardings | None = None) -> tuple[jax.Array, PagedKVCache]:
+    """A plain step's first program: f32[S, vocab], the logits of the rows to sample (whole on every device)."""
+    arrays = layout.unpack(packed)
+    model, hidden, pool = _run_layers(graphdef, params, pool, previous_tokens, arrays, lora)
+    with jax.named_scope("logits"):
+        logits = _gathered_logits(model, hidden[0, arrays.sample_index], logits_shardings)  # f32[S, vocab]
+    return logits, pool.without_metadata()
+
+
+def run_packed_sampling(logits: jax.Array,  # f32[S, vocab]: run_packed_forward's
+                        packed: jax.Array,  # i32[layout.size]: the step's SamplingTensors but the masks, in one buffer
+                        allowed: jax.Array,  # i32[S, W]: SamplingTensors.allowed
+                        layout: PackedLayout,  # static: of the sampling tensors of S rows
+                        num_top_logprobs: int,  # static
+                        max_rows: int) -> StepResult:  # static: the width of last_tokens
+    """A plain step's second program: the sampler on the first one's logits."""
+    sampling = dataclasses.replace(layout.unpack(packed), allowed=allowed)
+    with jax.named_scope("sample"):
+        sampled = sample(logits, sampling, num_top_logprobs)
+    return StepResult(sampled=sampled, last_tokens=_padded_tokens(sampled.token_ids, max_rows), prompt_scores=None)
 
 
 def run_step(
@@ -85,12 +120,7 @@ def run_step(
     logits_shardings: LogitsShardings | None = None,  # None: one device, logits as computed
     lora: LoraStack | None = None,  # the adapter slots, read at arrays.lora_slots; None: no adapters
 ) -> tuple[StepResult, PagedKVCache]:
-    model = nnx.merge(graphdef, params)
-    tokens = jnp.where(arrays.pending_rows >= 0, previous_tokens[jnp.maximum(arrays.pending_rows, 0)],
-                       arrays.token_ids)  # i32[T]
-    with jax.named_scope("layers"):
-        hidden, pool = model(tokens[None], arrays.positions[None], pool.with_metadata(arrays.metadata), lora,
-                             arrays.lora_slots)
+    model, hidden, pool = _run_layers(graphdef, params, pool, previous_tokens, arrays, lora)
     verified = None
     if arrays.drafts is None:
         with jax.named_scope("logits"):
@@ -104,7 +134,7 @@ def run_step(
             logits = _gathered_logits(model, hidden[0, index], logits_shardings)  # f32[S * (K + 1), vocab]
         with jax.named_scope("verify_drafts"):
             sampled, verified = verify_drafts(logits, arrays.drafts, arrays.sampling, num_top_logprobs)
-    last_tokens = jnp.zeros_like(previous_tokens).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
+    last_tokens = _padded_tokens(sampled.token_ids, previous_tokens.shape[0])
     prompt_scores = None
     if arrays.prompt_targets is not None:
         with jax.named_scope("prompt_scores"):
@@ -112,6 +142,23 @@ def run_step(
                                               logits_shardings)
     return (StepResult(sampled=sampled, last_tokens=last_tokens, prompt_scores=prompt_scores, drafts=verified),
             pool.without_metadata())
+
+
+def _run_layers(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, previous_tokens: jax.Array,
+                arrays: StepArrays, lora: LoraStack | None) -> tuple[LlamaForCausalLM, jax.Array, PagedKVCache]:
+    """The model, the final hidden states f[1, T, hidden] of the step's tokens and the pool they were written to."""
+    model = nnx.merge(graphdef, params)
+    tokens = jnp.where(arrays.pending_rows >= 0, previous_tokens[jnp.maximum(arrays.pending_rows, 0)],
+                       arrays.token_ids)  # i32[T]
+    with jax.named_scope("layers"):
+        hidden, pool = model(tokens[None], arrays.positions[None], pool.with_metadata(arrays.metadata), lora,
+                             arrays.lora_slots)
+    return model, hidden, pool
+
+
+def _padded_tokens(token_ids: jax.Array, max_rows: int) -> jax.Array:  # i32[max_rows]
+    """Sampled ids i32[S] padded to a fixed width: the next step's pending tokens read them by row."""
+    return jnp.zeros(max_rows, jnp.int32).at[: token_ids.shape[0]].set(token_ids)
 
 
 def score_next_tokens(

@@ -18,5 +18,5 @@ test:  ## runs the whole test suite, parity oracles included (CI runs exactly th
 # no package index. benchmarks/gpu_check.py's docstring says what each part measures.
 OUT ?= gpu-check-results
 
-gpu-check:  ## on a GPU host: GPU checks and benchmarks into OUT (ARGS="--group 1" ... "--group 4"; "--list")
+gpu-check:  ## on a GPU host: GPU checks and benchmarks into OUT (ARGS="--group 1" ... "--group 5"; "--list")
 	./scripts/gpu_check.sh "$(OUT)" $(ARGS)

@@ -32,6 +32,9 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
                             forms per 8B projection and token count, against the projection itself
              host_overhead  benchmarks/host_overhead.py on this host's CPU (no device work): schedule + prepare and
                             update + outputs at 64 and 256 decoding sequences, against the <= 1 ms targets
+    group 5  structured_output  benchmarks/structured_output.py: host ms to fill 64 grammar masks over a 128k
+                            vocabulary; the 8B-shaped engine's tokens/s with JSON Schema constraints vs without
+                            (target 0.9x) and vs constrained without async overlap
 
 Each part runs in a process of its own under a wall-clock budget: a Triton crash, an out-of-memory or a hang costs
 that part alone (reported with its status and the tail of its output) and the rest still runs. The report is
@@ -54,6 +57,7 @@ On the GPU host, from the source tree with .whl/ in it (its own python3 with CUD
     make gpu-check OUT=gpu-results ARGS="--group 2"     # adds to gpu-results/
     make gpu-check OUT=gpu-results ARGS="--group 3"
     make gpu-check OUT=gpu-results ARGS="--group 4"
+    make gpu-check OUT=gpu-results ARGS="--group 5"
     make gpu-check OUT=gpu-results ARGS="--parts kernel_check,engine_parity"
 
 Anywhere, on the CPU, with tiny shapes and the kernels interpreted (what tests/test_gpu_check.py runs):

@@ -5,10 +5,15 @@ request constrained by a JSON Schema against the same requests unconstrained, me
                 default Llama 3's 128256: random byte strings of 1-8 printable bytes besides the 256 single bytes,
                 since no real tokenizer of that size is at hand); per step, every sequence's mask is filled (as the
                 scheduler does, one `next_mask` per row) and a random allowed token accepted. Median ms per step.
-    throughput  the built-in model's engine, --requests greedy requests: constrained by the schema, then the same
-                prompts unconstrained with ignore_eos and max_tokens set to the token counts the constrained run
-                produced, so both generate the same tokens; rounds alternate the two (the starting one rotates).
-                Generated tokens/s per mode (medians) and the constrained/unconstrained ratio per round (median).
+    throughput  an engine on --model-shape (the built-in model, or random Llama-3.1-8B weights), --requests
+                greedy requests: constrained by the schema, then the same prompts unconstrained with ignore_eos and
+                max_tokens set to the token counts the constrained run produced, so both generate the same tokens;
+                and constrained again with async overlap off (the same engine and programs), which shows what
+                filling the masks during the forward pass saves. Rounds rotate the three modes. Generated tokens/s
+                per mode (medians) and the ratios per round (medians). A random model's vocabulary is larger than
+                the built-in tokenizer's, so its grammars read a synthetic tokenizer of the model's vocabulary (as
+                the mask measurement does): masks cost what they would with a real tokenizer of that size, and
+                outputs are checked against the schema through that tokenizer's bytes.
 
 Constrained requests keep async overlap: each step's masks are filled after the previous step is read back, while
 its forward pass runs (LLMEngine.step). On a CPU the "device" is the host's own cores and a step of the tiny model
@@ -20,6 +25,7 @@ takes about a millisecond, so what overlap hides there is far less than on a GPU
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -29,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from bench_machine import machine_description
+from model_shapes import ENGINE_SHAPES, model_of_shape
 from jaxserve.config import EngineConfig
-from jaxserve.checkpoint import load_model
 from jaxserve.checkpoint.builtin import BUILTIN_MODEL_DIR
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.structured_output import GrammarCompiler
@@ -52,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="steps timed in the mask measurement")
     parser.add_argument("--requests", type=int, default=32, help="requests per throughput round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model-shape", choices=ENGINE_SHAPES, default="builtin", help="the throughput engine's model")
+    parser.add_argument("--dtype", default="float32", help="of the throughput engine's weights")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="of the throughput engine")
+    parser.add_argument("--skip-masks", action="store_true", help="measure throughput only")
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -108,36 +118,63 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], params: list[Sampl
     return time.perf_counter() - started, sorted(finished, key=lambda output: int(output.request_id))
 
 
-def measure_throughput(args: argparse.Namespace) -> dict[str, Any]:
+# The throughput modes: (constrained, async overlap)
+MODES = {"constrained": (True, True), "unconstrained": (False, True), "constrained-no-overlap": (True, False)}
+
+
+def throughput_engine(args: argparse.Namespace) -> tuple[LLMEngine, Any]:
+    """The engine on --model-shape, and the tokenizer its grammars read (the model's own, or a synthetic one of the
+    model's vocabulary where the built-in tokenizer is smaller)."""
+    model = model_of_shape(args.model_shape, args.dtype, seed=0)
     tokenizer = load_tokenizer(BUILTIN_MODEL_DIR)
-    engine = LLMEngine(load_model(None, dtype="float32"), tokenizer,
-                       EngineConfig(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256), progress=False)
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=256, max_num_seqs=args.max_num_seqs,
+                                                      max_num_batched_tokens=256), progress=False)
+    vocab = model.config.vocab_size
+    if vocab <= tokenizer.vocab_size:
+        return engine, tokenizer
+    grammar_tokenizer = SyntheticTokenizer(vocab)
+    engine.grammars = GrammarCompiler(grammar_tokenizer, vocab, engine.config.grammar_compile_timeout_s)
+    return engine, grammar_tokenizer
+
+
+def measure_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    engine, grammar_tokenizer = throughput_engine(args)
     rng = np.random.default_rng(1)
-    prompts = [tokenizer.encode(f"Person {i}: " + "x" * int(rng.integers(4, 40))) for i in range(args.requests)]
+    prompts = [engine.tokenizer.encode(f"Person {i}: " + "x" * int(rng.integers(4, 40))) for i in range(args.requests)]
     constrained = [SamplingParams(max_tokens=64, temperature=0, structured_outputs=StructuredOutputsParams(json=SCHEMA))
                    for _ in prompts]
     _, outputs = run_requests(engine, prompts, constrained)  # warm-up, and the token counts to match
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     plain = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
-    modes = {"constrained": constrained, "unconstrained": plain}
-    rates: dict[str, list[float]] = {mode: [] for mode in modes}
-    ratios = []
+    overlap_config = engine.config
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     for round_index in range(args.rounds):
-        order = list(modes) if round_index % 2 == 0 else list(modes)[::-1]
-        seconds = {mode: run_requests(engine, prompts, modes[mode])[0] for mode in order}
-        for mode in modes:
-            rates[mode].append(sum(lengths) / seconds[mode])
-        ratios.append(seconds["unconstrained"] / seconds["constrained"])
-    valid = sum(_matches(o.outputs[0].text) for o in outputs)
-    return {"requests": args.requests, "generated_tokens": sum(lengths), "valid_outputs": valid,
+        order = list(MODES)[round_index % len(MODES):] + list(MODES)[:round_index % len(MODES)]
+        for mode in order:
+            constrained_mode, overlap = MODES[mode]
+            engine.config = dataclasses.replace(overlap_config, async_scheduling=overlap)  # same programs
+            seconds, _ = run_requests(engine, prompts, constrained if constrained_mode else plain)
+            rates[mode].append(sum(lengths) / seconds)
+    engine.config = overlap_config
+    ratios = {"constrained_over_unconstrained": [c / u for c, u in zip(rates["constrained"], rates["unconstrained"])],
+              "overlap_over_no_overlap": [c / n for c, n in zip(rates["constrained"],
+                                                                rates["constrained-no-overlap"])]}
+    valid = sum(_matches(o.outputs[0].token_ids, grammar_tokenizer) for o in outputs)
+    return {"model": args.model_shape, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "requests": args.requests, "generated_tokens": sum(lengths), "valid_outputs": valid,
             "tokens_per_s_median": {mode: statistics.median(r) for mode, r in rates.items()},
-            "constrained_over_unconstrained": statistics.median(ratios), "ratios": ratios,
+            "tokens_per_s": rates,
+            "constrained_over_unconstrained": statistics.median(ratios["constrained_over_unconstrained"]),
+            "overlap_over_no_overlap": statistics.median(ratios["overlap_over_no_overlap"]), "ratios": ratios,
+            "host_ms_per_step": engine.phase_times.per_step_ms(),
             "compiles_after_warmup": engine.compiles_after_warmup}
 
 
-def _matches(text: str) -> bool:
+def _matches(token_ids, tokenizer) -> bool:
+    """The output, spelled by the grammar's tokenizer, is JSON valid against the schema."""
     import jsonschema
 
+    text = b"".join(tokenizer.token_bytes(t) for t in token_ids if t not in tokenizer.eos_token_ids)
     try:
         jsonschema.validate(json.loads(text), SCHEMA)
     except (ValueError, jsonschema.ValidationError):
@@ -147,7 +184,8 @@ def _matches(text: str) -> bool:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    result = {"machine": machine_description(), "masks": measure_masks(args), "throughput": measure_throughput(args)}
+    result = {"machine": machine_description(), "masks": None if args.skip_masks else measure_masks(args),
+              "throughput": measure_throughput(args)}
     print(json.dumps(result, indent=2))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))

@@ -62,7 +62,7 @@ def test_listing_names_every_part_and_each_groups_budget():
     text = gpu_check.listing()
     assert all(part.name in text for part in PARTS)
     assert "group 1: 480 s" in text and "group 2: 480 s" in text and "group 3: 490 s" in text
-    assert "group 4: 480 s" in text
+    assert "group 4: 480 s" in text and "group 5: 240 s" in text
 
 
 def test_nvidia_smi_query_rows_parse_into_named_fields():

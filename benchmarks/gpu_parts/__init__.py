@@ -9,7 +9,7 @@ Budgets are wall-clock limits in seconds, process start and JAX's import include
 8.2 minutes at most, so that a group, with the wheels' install before it, fits one 10-minute command. Groups 1 and
 2 validate and measure the engine itself and speculative decoding; group 3 measures quantized weights and serving
 over HTTP; group 4 measures what serving LoRA adapters costs (the engine, and the delta's forms) and the host's
-work per step on the GPU host's CPU.
+work per step on the GPU host's CPU; group 5 what structured output costs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-GROUPS = (1, 2, 3, 4)
+GROUPS = (1, 2, 3, 4, 5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,13 @@ LORA_GPU_ARGS = ["--model-shape", "llama-3.1-8b", "--dtype", "bfloat16", "--max-
 LORA_SMOKE_ARGS = ["--num-requests", "4", "--prompt-len", "8", "--max-tokens", "4", "--rounds", "2",
                    "--num-adapters", "2", "--rank", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                    "--max-model-len", "128"]
+
+# benchmarks/structured_output.py at the 8B shapes: 64 sequences (11 decode buckets, 5 mixed ones of up to 256 tokens
+# and their samplers, about 40 programs cold) and 64 requests per mode and round.
+STRUCTURED_GPU_ARGS = ["--model-shape", "llama-3.1-8b", "--dtype", "bfloat16", "--max-num-seqs", "64", "--requests",
+                       "64", "--rounds", "3", "--seqs", "64", "--steps", "40"]
+STRUCTURED_SMOKE_ARGS = ["--requests", "4", "--rounds", "1", "--max-num-seqs", "4", "--seqs", "4", "--vocab", "3000",
+                         "--steps", "4"]
 
 # Attention shapes of the Llama-3.1-8B kernels (32 query heads over 8 KV heads of 128) and their GQA-8 sibling.
 LLAMA_8B_DECODE = ["--batches", "64", "--contexts", "2048"]
@@ -138,5 +145,9 @@ PARTS += [
          dict(args=["--skip-decode", "--num-seqs", "8", "--cycles", "20", "--warm-cycles", "5"]),
          "the host's work per step on this host's CPU (schedule + prepare, update + outputs at 64 and 256 decoding "
          "sequences; no device work) against the <= 1 ms targets"),
+    Part("structured_output", 5, 240, 180, "gpu_parts.structured_output:run", dict(args=STRUCTURED_GPU_ARGS),
+         dict(args=STRUCTURED_SMOKE_ARGS),
+         "structured output: host ms to fill 64 grammar masks over a 128k vocabulary; the 8B-shaped engine's tokens/s "
+         "constrained vs unconstrained (target 0.9x) and vs constrained without async overlap"),
 ]
 PARTS_BY_NAME = {part.name: part for part in PARTS}

@@ -214,7 +214,7 @@ class ModelRunner:
                                out_shardings=(self._replicated, self._pool_leaf_shardings()))
         self._jitted_forward = jax.jit(
             functools.partial(run_packed_forward, graphdef, logits_shardings=logits_shardings),
-            static_argnames=("layout",), donate_argnames="pool",
+            static_argnames=("layout", "sampling_words"), donate_argnames="pool",
             out_shardings=(self._replicated, self._pool_leaf_shardings()))
         self._jitted_sampling = jax.jit(run_packed_sampling, static_argnames=("layout", "num_top_logprobs", "max_rows"),
                                         out_shardings=self._replicated)
@@ -311,7 +311,8 @@ class ModelRunner:
         pool = self._pool_shape(num_pages)
         if splits(bucket):
             return self._jitted_forward.lower(self._abstract_params, pool, self._last_tokens, packed, lora,
-                                              layout=layout)
+                                              layout=layout,
+                                              sampling_words=self._sampling_layout(bucket.num_seqs).size)
         return self._jitted.lower(self._abstract_params, pool, self._last_tokens, packed,
                                   self._abstract_allowed(bucket.num_seqs), lora, layout=layout,
                                   num_top_logprobs=self.config.max_logprobs)
@@ -337,11 +338,9 @@ class ModelRunner:
         return sorted({bucket.num_seqs for bucket in self.buckets.all_buckets() if splits(bucket)})
 
     def _layout(self, bucket: StepBucket) -> PackedLayout:
-        """The transfer buffer of the bucket's program (of a plain bucket's forward program: no sampling tensors)."""
+        """The transfer buffer of the bucket's program, or of a plain bucket's two programs."""
         if bucket not in self._layouts:
-            arrays = self._padding_arrays(bucket)
-            self._layouts[bucket] = PackedLayout.of(dataclasses.replace(arrays, sampling=None) if splits(bucket)
-                                                    else arrays)
+            self._layouts[bucket] = PackedLayout.of(_packed_tree(bucket, self._padding_arrays(bucket)))
         return self._layouts[bucket]
 
     def _sampling_layout(self, num_rows: int) -> PackedLayout:
@@ -368,8 +367,7 @@ class ModelRunner:
             if not splits(bucket) or self._channel is not None:
                 return StartedStep(schedule, bucket, host_arrays, logits=None, sampling_inputs=None)
             with jax.profiler.TraceAnnotation("forward"):
-                step_inputs, sampling_inputs = self.transfer(bucket, host_arrays)
-                logits = self._run_forward(bucket, step_inputs)
+                logits, sampling_inputs = self._run_forward(bucket, self.transfer(bucket, host_arrays))
             return StartedStep(schedule, bucket, host_arrays, logits, sampling_inputs)
 
     def finish(self, started: StartedStep,
@@ -437,11 +435,11 @@ class ModelRunner:
         """Launches the whole step (both programs of a plain bucket) on the pool; the same call on every process
         of a lockstep group."""
         with jax.profiler.TraceAnnotation("step"):
-            step_inputs, sampling_inputs = self.transfer(bucket, host_arrays)
+            step_inputs = self.transfer(bucket, host_arrays)
             device_allowed = self._device_allowed(bucket.num_seqs, allowed)
             if splits(bucket):
-                result = self._sampling_programs[bucket.num_seqs](self._run_forward(bucket, step_inputs),
-                                                                  sampling_inputs, device_allowed)
+                result = self._sampling_programs[bucket.num_seqs](*self._run_forward(bucket, step_inputs),
+                                                                  device_allowed)
             else:
                 result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, step_inputs,
                                                            device_allowed, self._lora_stack())
@@ -449,23 +447,20 @@ class ModelRunner:
         self._last_tokens = result.last_tokens
         return result
 
-    def _run_forward(self, bucket: StepBucket, step_inputs: jax.Array) -> jax.Array:  # f32[S, vocab]
-        logits, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, step_inputs,
-                                                   self._lora_stack())
+    def _run_forward(self, bucket: StepBucket, step_inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Launches a plain bucket's forward program: (its logits f32[S, vocab], the packed sampling tensors)."""
+        outputs, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, step_inputs,
+                                                    self._lora_stack())
         self.bucket_counts[bucket] += 1
-        return logits
+        return outputs
 
     def _lora_stack(self):
         return self.lora.stack if self.lora is not None else None
 
-    def transfer(self, bucket: StepBucket, host_arrays: StepArrays) -> tuple[jax.Array, jax.Array | None]:
-        """The step's inputs packed into one buffer (i32[size]) and put on the devices, with a plain step's sampling
-        tensors in a second one (else None): the host's last share of a step before its programs run."""
-        if not splits(bucket):
-            return self._to_devices(self._layout(bucket).pack(host_arrays)), None
-        forward = self._layout(bucket).pack(dataclasses.replace(host_arrays, sampling=None))
-        sampling = self._sampling_layout(bucket.num_seqs).pack(host_arrays.sampling)
-        return self._to_devices(forward), self._to_devices(sampling)
+    def transfer(self, bucket: StepBucket, host_arrays: StepArrays) -> jax.Array:
+        """The step's inputs packed into one buffer (i32[size]) and put on the devices: the host's last share of a
+        step before its programs run."""
+        return self._to_devices(self._layout(bucket).pack(_packed_tree(bucket, host_arrays)))
 
     def _host_allowed(self, num_rows: int,
                       masks: dict[int, np.ndarray]) -> np.ndarray | None:  # i32[S, W]; None: every token allowed
@@ -564,6 +559,12 @@ class ModelRunner:
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""
         return self._step_arrays([], bucket)
+
+
+def _packed_tree(bucket: StepBucket, arrays: StepArrays):
+    """What the bucket's transfer buffer holds: its StepArrays, or for a plain bucket (sampling tensors, the rest), so
+    that the sampling tensors lead the buffer and its sampler reads the same words whatever the bucket."""
+    return (arrays.sampling, dataclasses.replace(arrays, sampling=None)) if splits(bucket) else arrays
 
 
 def splits(bucket: StepBucket) -> bool:

@@ -85,20 +85,25 @@ def run_packed_step(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCach
 
 
 def run_packed_forward(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, previous_tokens: jax.Array,
-                       packed: jax.Array,  # i32[layout.size]: the step's StepArrays without sampling in one buffer
+                       # i32[layout.size]: (the step's SamplingTensors, its other StepArrays) in one buffer, the sampling
+                       # tensors first, so that they are the buffer's first `sampling_words` words for any bucket
+                       packed: jax.Array,
                        lora: LoraStack | None,  # the adapter slots; None: no adapters
                        layout: PackedLayout,  # static: the bucket's
-                       logits_shardings: LogitsShardings | None = None) -> tuple[jax.Array, PagedKVCache]:
-    """A plain step's first program: f32[S, vocab], the logits of the rows to sample (whole on every device)."""
-    arrays = layout.unpack(packed)
+                       sampling_words: int,  # static
+                       logits_shardings: LogitsShardings | None = None,
+                       ) -> tuple[tuple[jax.Array, jax.Array], PagedKVCache]:
+    """A plain step's first program: (f32[S, vocab], the logits of the rows to sample, whole on every device;
+    i32[sampling_words], the packed sampling tensors for the second program: one transfer serves both)."""
+    _, arrays = layout.unpack(packed)
     model, hidden, pool = _run_layers(graphdef, params, pool, previous_tokens, arrays, lora)
     with jax.named_scope("logits"):
         logits = _gathered_logits(model, hidden[0, arrays.sample_index], logits_shardings)  # f32[S, vocab]
-    return logits, pool.without_metadata()
+    return (logits, packed[:sampling_words]), pool.without_metadata()
 
 
 def run_packed_sampling(logits: jax.Array,  # f32[S, vocab]: run_packed_forward's
-                        packed: jax.Array,  # i32[layout.size]: the step's SamplingTensors but the masks, in one buffer
+                        packed: jax.Array,  # i32[layout.size]: the step's SamplingTensors but the masks (the forward's)
                         allowed: jax.Array,  # i32[S, W]: SamplingTensors.allowed
                         layout: PackedLayout,  # static: of the sampling tensors of S rows
                         num_top_logprobs: int,  # static

@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from jaxserve import LLM  # noqa: E402
+from jaxserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR, convert_hf_to_orbax, load_model, shard_placement  # noqa: E402
 from jaxserve.checkpoint.param_tree import checkpoint_tensors, flat_arrays  # noqa: E402
 from jaxserve.model.param_names import is_stacked  # noqa: E402
@@ -43,6 +43,16 @@ ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched
 def greedy_tokens(llm: LLM) -> list[list[int]]:
     prompts, params = _workload(seed=5, count=6)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+# Constrained greedy draws: each step's masks reach the sampler program, replicated over the mesh.
+CONSTRAINED_PROMPTS = ["Code:", "Another code:"]
+CONSTRAINT = r"[a-c]{3}-\d{2}"
+
+
+def constrained_outputs(llm: LLM) -> list[str]:
+    params = SamplingParams(max_tokens=16, temperature=0, structured_outputs=StructuredOutputsParams(regex=CONSTRAINT))
+    return [o.outputs[0].text for o in llm.generate(CONSTRAINED_PROMPTS, params, use_tqdm=False)]
 
 
 def pallas_report(model_dir: Path, tp: int) -> dict:
@@ -75,11 +85,13 @@ def engine_report(model_dir: Path, tp: int, quantization: str | None = None, kv_
     llm = LLM(model=str(model_dir), tokenizer=str(BUILTIN_MODEL_DIR), tensor_parallel_size=tp,
               quantization=quantization, kv_cache_dtype=kv_cache_dtype, **ENGINE)
     tokens = greedy_tokens(llm)
+    constrained = constrained_outputs(llm)
     runner = llm.engine.runner
     arrays = flat_arrays(llm.engine.runner.params)
     greedy_program = runner._programs[runner.buckets.select(16, 2)]
     return dict(
         tokens=tokens,
+        constrained=constrained,
         compiles_after_warmup=llm.engine.compiles_after_warmup,
         kv_heads=llm.model.config.num_key_value_heads,
         wrong_shardings=[name for name, array in arrays.items() if not _sharded_as_ruled(name, array, tp)],
@@ -178,7 +190,8 @@ def main(work_dir: Path) -> None:
                                       for tp in SPECULATIVE_TP_SIZES},
               "orbax_matches_safetensors": orbax_matches_safetensors(model_dir, work_dir / "orbax", tp=4),
               "builtin_matches_single_device": builtin_matches_single_device(tp=4),
-              "shard_reads": shard_reads(model_dir, tp=8)}
+              "shard_reads": shard_reads(model_dir, tp=8),
+              "constraint": CONSTRAINT}
     print(json.dumps(report))
 
 

@@ -39,6 +39,15 @@ def test_every_tensor_parallel_size_gives_the_single_device_greedy_tokens(report
         assert report[tp]["tokens"] == reference, f"TP={tp}"
 
 
+def test_constrained_draws_match_their_regex_and_the_single_device_ones(report):
+    import re
+
+    reference = report[1]["constrained"]
+    assert all(re.fullmatch(report["constraint"], text) for text in reference), reference
+    for tp in (2, 4, 8):
+        assert report[tp]["constrained"] == reference, f"TP={tp}"
+
+
 def test_the_pallas_kernel_inside_shard_map_gives_the_same_tokens(report):
     for tp, engine in report["pallas_engines"].items():
         assert engine["tokens"] == report[1]["tokens"], f"TP={tp}"

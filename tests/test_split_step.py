@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.runner.model_runner import ALL_ALLOWED
+from jaxserve.runner.token_masks import ALL_ALLOWED
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.schedule import SamplingRow, ScheduledSequence, SchedulerOutput, mask_width
 

@@ -19,7 +19,7 @@ A plain step (no penalties, prompt scores or drafts: most steps) runs as two pro
 and the sampler of its row count (runner/step.py), dispatched by `start` and `finish`: between the two the engine
 reads the previous step back and fills the grammar masks of structured output while the forward pass runs. Other
 variants run as one program, dispatched by `finish`. The token masks (i32[S, ceil(vocab / 32)]) are a program input
-of their own, so a step without structured output sends none: an all-ones mask per row count stays on the device.
+of their own (runner/token_masks.py), so a step without structured output sends none.
 """
 
 from __future__ import annotations
@@ -60,9 +60,8 @@ from jaxserve.runner.speculative import VerifiedDrafts, build_draft_arrays
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.step import (LogitsShardings, StepArrays, StepResult, run_packed_forward, run_packed_sampling,
                                   run_packed_step)
-from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput, mask_width
-
-ALL_ALLOWED = -1  # a word of the token masks with all 32 bits set: every token allowed
+from jaxserve.runner.token_masks import StepMasks
+from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput
 
 @dataclasses.dataclass(frozen=True)
 class PromptScores:
@@ -223,8 +222,7 @@ class ModelRunner:
         self._layouts: dict[StepBucket, PackedLayout] = {}  # each bucket's inputs in its one transfer buffer
         self._sampling_programs: dict[int, jax.stages.Compiled] = {}  # row count -> plain steps' sampler
         self._sampling_layouts: dict[int, PackedLayout] = {}  # row count -> its sampling tensors' transfer buffer
-        self._mask_width = mask_width(model_config.vocab_size)  # W: words of a row's token mask
-        self._all_allowed: dict[int, jax.Array] = {}  # row count -> i32[S, W] of ALL_ALLOWED, kept on the devices
+        self._masks = StepMasks(model_config.vocab_size, self._to_devices)  # the steps' grammar token masks
         self.warmup_stats: WarmupStats | None = None  # set by warm_up
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
         # The per-step broadcast when the mesh spans processes; None on one process.
@@ -326,7 +324,7 @@ class ModelRunner:
                                            num_top_logprobs=self.config.max_logprobs, max_rows=self.buckets.max_rows)
 
     def _abstract_allowed(self, num_rows: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((num_rows, self._mask_width), np.int32, sharding=self._replicated)
+        return jax.ShapeDtypeStruct((num_rows, self._masks.width), np.int32, sharding=self._replicated)
 
     @property
     def num_programs(self) -> int:
@@ -375,14 +373,15 @@ class ModelRunner:
         """Dispatches the rest of a started step (its sampler, or its whole program) and returns without waiting."""
         bucket, chunks = started.bucket, started.schedule.sequences
         with self.guard.watch(), jax.profiler.TraceAnnotation("sample"):
-            allowed = self._host_allowed(bucket.num_seqs, masks)
+            allowed = self._masks.host(bucket.num_seqs, masks)
             if started.forward_running:
                 result = self._sampling_programs[bucket.num_seqs](started.logits, started.sampling_inputs,
-                                                                  self._device_allowed(bucket.num_seqs, allowed))
+                                                                  self._masks.device(bucket.num_seqs, allowed))
                 self._last_tokens = result.last_tokens
             else:
                 if self._channel is not None:
-                    self._channel.send_step(bucket, (started.host_arrays, self._message_allowed(bucket, allowed)))
+                    self._channel.send_step(bucket, (started.host_arrays, self._masks.whole(bucket.num_seqs,
+                                                                                             allowed)))
                 result = self._run_program(bucket, started.host_arrays, allowed)
         self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
         return PendingStep(result, len(chunks), _prompt_spans(chunks) if bucket.prompt_logits else (),
@@ -436,7 +435,7 @@ class ModelRunner:
         of a lockstep group."""
         with jax.profiler.TraceAnnotation("step"):
             step_inputs = self.transfer(bucket, host_arrays)
-            device_allowed = self._device_allowed(bucket.num_seqs, allowed)
+            device_allowed = self._masks.device(bucket.num_seqs, allowed)
             if splits(bucket):
                 result = self._sampling_programs[bucket.num_seqs](*self._run_forward(bucket, step_inputs),
                                                                   device_allowed)
@@ -462,31 +461,9 @@ class ModelRunner:
         step before its programs run."""
         return self._to_devices(self._layout(bucket).pack(_packed_tree(bucket, host_arrays)))
 
-    def _host_allowed(self, num_rows: int,
-                      masks: dict[int, np.ndarray]) -> np.ndarray | None:  # i32[S, W]; None: every token allowed
-        if not masks:
-            return None
-        allowed = np.full((num_rows, self._mask_width), ALL_ALLOWED, np.int32)
-        for row, mask in masks.items():
-            allowed[row] = mask
-        return allowed
-
-    def _device_allowed(self, num_rows: int, allowed: np.ndarray | None) -> jax.Array:  # i32[S, W]
-        """The masks on the devices; without any, the row count's all-ones masks kept there (sent once)."""
-        if allowed is not None:
-            return self._to_devices(allowed)
-        if num_rows not in self._all_allowed:
-            self._all_allowed[num_rows] = self._to_devices(
-                np.full((num_rows, self._mask_width), ALL_ALLOWED, np.int32))
-        return self._all_allowed[num_rows]
-
-    def _message_allowed(self, bucket: StepBucket, allowed: np.ndarray | None) -> np.ndarray:  # i32[S, W]
-        """Lockstep messages carry every step's masks (of fixed shape), all ones or not."""
-        return allowed if allowed is not None else np.full((bucket.num_seqs, self._mask_width), ALL_ALLOWED, np.int32)
-
     def _padding_message(self, bucket: StepBucket) -> tuple[StepArrays, np.ndarray]:
         """What a lockstep message of the bucket carries, with its shapes: the step's arrays and its masks."""
-        return self._padding_arrays(bucket), self._message_allowed(bucket, None)
+        return self._padding_arrays(bucket), self._masks.whole(bucket.num_seqs, None)
 
     def _to_devices(self, packed: np.ndarray) -> jax.Array:
         """The step's inputs (i32[size], PackedLayout), replicated over the mesh in one transfer.

@@ -72,10 +72,23 @@ def test_kept_rows_build_what_the_reference_builds(seed):
         chunks = [s.chunk() for s in present]
         num_rows = CAPACITY + int(rng.integers(0, 3))
         history = 64 if any(c.sampling.params.uses_penalties for c in chunks) else 1
-        slots = rows.slots(chunks)
+        page_counts = np.array([len(c.page_ids) for c in chunks], np.int32)
+        slots = rows.slots(chunks, page_counts)
         np.testing.assert_array_equal(rows.block_table_rows(slots, num_rows),
-                                      _block_tables(chunks, num_rows, MAX_PAGES))
+                                      _block_tables(chunks, page_counts, num_rows, MAX_PAGES))
+        assert rows.any_penalties(slots) == any(c.sampling.params.uses_penalties for c in chunks)
         kept = rows.sampling_tensors(chunks, slots, num_rows, history)
         built = dataclasses.replace(build_sampling_tensors([c.sampling for c in chunks], num_rows, bias_width=BIAS,
                                                            stop_width=STOPS, history_width=history), allowed=None)
         jax.tree.map(np.testing.assert_array_equal, kept, built)
+
+
+def test_a_block_table_naming_the_null_page_is_refused_and_not_kept():
+    rows = InputRows(CAPACITY, MAX_PAGES, BIAS, STOPS)
+    row = SamplingRow(SamplingParams(temperature=0), (3,), [], EOS, seed=0)
+    bad = ScheduledSequence("a", (7,), 1, (4, 0), samples=True, wants_prompt_logits=False, sampling=row)
+    with pytest.raises(ValueError, match="null page"):
+        rows.slots([bad], np.array([2], np.int32))
+    good = dataclasses.replace(bad, page_ids=(4, 5))
+    slots = rows.slots([good], np.array([2], np.int32))
+    np.testing.assert_array_equal(rows.block_table_rows(slots, 1)[0, :3], [4, 5, 0])

@@ -17,7 +17,7 @@ from jaxserve.model.config import LlamaConfig
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.paged_kv_cache import PagedKVCache, paged_attention_xla
 from jaxserve.reference.dense_kv_cache import DenseKVCache, dense_causal_attention
-from jaxserve.runner.paged_inputs import PagedInputs, build_metadata
+from jaxserve.runner.paged_inputs import ChunkLayout, PagedInputs, build_metadata
 from jaxserve.schedule import NULL_PAGE
 
 
@@ -203,6 +203,20 @@ def test_build_metadata_lays_out_tokens_slots_and_padding():
     np.testing.assert_array_equal(inputs.metadata.token_seq, [0, 0, 0, 0, 0, 1, 2, 2])
     np.testing.assert_array_equal(inputs.metadata.block_tables, [[3, 5, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(inputs.metadata.seq_lens, [5, 3, 0, 0])
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1, 1], [1], [3, 1, 2], [1, 4, 1, 1], []])
+def test_chunk_layout_places_every_token_as_a_plain_walk_does(counts):
+    """ChunkLayout (with its shortcut for decode steps, one token per chunk) against a token-by-token walk."""
+    chunks = [Chunk(5 * i + 2, count, [i + 1]) for i, count in enumerate(counts)]
+    layout = ChunkLayout.of(chunks)
+    walk = [(row, chunk.start_position + k) for row, chunk in enumerate(chunks) for k in range(chunk.num_tokens)]
+    np.testing.assert_array_equal(layout.token_rows, np.array([row for row, _ in walk], np.int32).reshape(-1))
+    np.testing.assert_array_equal(layout.positions, np.array([pos for _, pos in walk], np.int32).reshape(-1))
+    np.testing.assert_array_equal(layout.first_token, np.cumsum([0, *counts])[:-1])
+    np.testing.assert_array_equal(layout.last_token, np.cumsum(counts) - 1)
+    np.testing.assert_array_equal(layout.num_pages, [1] * len(counts))
+    assert layout.num_tokens == sum(counts)
 
 
 @pytest.mark.parametrize("chunks, num_seqs, message", [

@@ -62,7 +62,9 @@ class Request:
         self.num_draft_computed_tokens = 0
         self.num_pending_tokens = 0
         self.status = RequestStatus.WAITING
-        self.page_ids: list[int] = []  # block table: page i holds positions [i * page_size, (i + 1) * page_size)
+        # Block table: page i holds positions [i * page_size, (i + 1) * page_size). A tuple, replaced whenever it
+        # changes, so each step's ScheduledSequence takes it as it is (copying it cost 0.03 ms per step at 256).
+        self.page_ids: tuple[int, ...] = ()
         self.page_keys: list[int] = []  # prefix-cache key of each leading full page whose content is registered
         self.num_prefix_hit_tokens = 0  # tokens found in the prefix cache at the latest admission
         self.num_preemptions = 0
@@ -144,7 +146,7 @@ class Request:
     def reset_for_recompute(self) -> None:
         """Forgets computed state after preemption; prompt and outputs stay, to be computed again."""
         self.num_computed_tokens = self.num_draft_computed_tokens = 0
-        self.page_ids.clear()
+        self.page_ids = ()
         self.page_keys.clear()
         self.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1

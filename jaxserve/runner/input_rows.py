@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxserve.runner.paged_inputs import check_no_null_page
 from jaxserve.runner.sampler import (PenaltyTensors, SamplingTensors, TruncationTensors, build_sampling_tensors,
                                      penalty_tensors)
 from jaxserve.schedule import NULL_PAGE, SamplingRow, ScheduledSequence
@@ -37,21 +38,30 @@ class InputRows:
         self.block_tables = np.full((capacity + 1, max_pages), NULL_PAGE, np.int32)  # i32[C + 1, max_pages]
         self.num_pages = np.zeros(capacity + 1, np.int32)  # i32[C + 1]: pages written in each row
         self.min_tokens = np.zeros(capacity + 1, np.int32)  # i32[C + 1]: EOS/stop ids masked below this many outputs
+        self.uses_penalties = np.zeros(capacity + 1, np.bool_)  # bool[C + 1]: the slot's params apply a penalty
         self._settings = _neutral_settings(capacity + 1, bias_width, stop_width)  # leaves [C + 1, ...]
 
-    def slots(self, chunks: Sequence[ScheduledSequence]) -> np.ndarray:  # i32[n]
-        """Each chunk's slot, its rows brought up to date; slots of sequences absent from this step are freed."""
-        present = {c.request_id for c in chunks}
-        for request_id in self._slot_of.keys() - present:
-            self._free.append(self._slot_of.pop(request_id))
+    def slots(self, chunks: Sequence[ScheduledSequence], num_pages: np.ndarray) -> np.ndarray:  # i32[n]
+        """Each chunk's slot, its rows brought up to date; slots of sequences absent from this step are freed.
+        `num_pages` (i32[n]): the length of each chunk's block table (ChunkLayout.num_pages)."""
         slots = np.fromiter((self._slot_of.get(c.request_id, -1) for c in chunks), np.int32, len(chunks))
-        for row in np.flatnonzero(slots < 0).tolist():
+        new_rows = np.flatnonzero(slots < 0).tolist()
+        # Every slot held by a chunk of this step (the steady state) means no sequence has left.
+        if new_rows or len(self._slot_of) != len(chunks):
+            present = {c.request_id for c in chunks}
+            for request_id in self._slot_of.keys() - present:
+                self._free.append(self._slot_of.pop(request_id))
+        for row in new_rows:
             slots[row] = self._slot_of[chunks[row].request_id] = slot = self._free.pop()
             # Another sequence's pages may end like this one's: its block table is written whole.
             self.num_pages[slot] = -1
         self._refresh_settings(chunks, slots)
-        self._refresh_block_tables(chunks, slots)
+        self._refresh_block_tables(chunks, slots, num_pages)
         return slots
+
+    def any_penalties(self, slots: np.ndarray) -> bool:
+        """Whether a penalty applies to a row of these slots (i32[n]): the step needs its penalties variant."""
+        return bool(self.uses_penalties[slots].any())
 
     def block_table_rows(self, slots: np.ndarray, num_rows: int) -> np.ndarray:  # i32[num_rows, max_pages]
         return self.block_tables[self._padded(slots, num_rows)]
@@ -63,15 +73,17 @@ class InputRows:
         rows = [c.sampling for c in chunks]
         padded = self._padded(slots, num_rows)
         kept = {name: leaf[padded] for name, leaf in self._settings.items()}
+        min_tokens = self.min_tokens[padded]
         num_outputs = np.zeros(num_rows, np.int32)
-        num_outputs[:len(rows)] = np.fromiter((len(r.output_ids) for r in rows), np.int32, len(rows))
+        if min_tokens.any():  # else no row blocks its stop ids, whatever its outputs
+            num_outputs[:len(rows)] = np.fromiter((len(r.output_ids) for r in rows), np.int32, len(rows))
         steps = np.zeros(num_rows, np.int32)
         steps[:len(rows)] = np.fromiter((r.draw_step for r in rows), np.int32, len(rows))
         histories = penalty_tensors(rows, num_rows, history_width) if history_width > 1 else None
         return SamplingTensors(
             greedy=kept["greedy"], temperature=kept["temperature"], seeds=kept["seeds"], steps=steps,
             bias_ids=kept["bias_ids"], bias_values=kept["bias_values"], stop_ids=kept["stop_ids"],
-            block_stop_ids=num_outputs < self.min_tokens[padded],
+            block_stop_ids=num_outputs < min_tokens,
             allowed=None,
             penalties=PenaltyTensors(
                 history_ids=histories.history_ids if histories else np.full((num_rows, 1), -1, np.int32),
@@ -100,18 +112,20 @@ class InputRows:
         for name, leaf in _flat_settings(one).items():
             self._settings[name][slot] = leaf[0]
         self.min_tokens[slot] = row.params.min_tokens
+        self.uses_penalties[slot] = row.params.uses_penalties
         self._owner[slot] = (row.params, row.seed)
 
-    def _refresh_block_tables(self, chunks: Sequence[ScheduledSequence], slots: np.ndarray) -> None:
-        """Rewrites the rows whose page count or last page differs from what the row holds."""
-        n = len(chunks)
-        counts = np.fromiter((len(c.page_ids) for c in chunks), np.int32, n)
-        last = np.fromiter((c.page_ids[-1] if c.page_ids else NULL_PAGE for c in chunks), np.int32, n)
+    def _refresh_block_tables(self, chunks: Sequence[ScheduledSequence], slots: np.ndarray,
+                              counts: np.ndarray) -> None:
+        """Rewrites the rows whose page count (counts i32[n]) or last page differs from what the row holds, each
+        checked for the null page as it is written."""
+        last = np.fromiter((c.page_ids[-1] if c.page_ids else NULL_PAGE for c in chunks), np.int32, len(chunks))
         held = self.num_pages[slots]
         stored_last = self.block_tables[slots, np.maximum(counts - 1, 0)]
         changed = (counts != held) | (stored_last != np.where(counts > 0, last, stored_last))
         for row in np.flatnonzero(changed).tolist():
-            slot, pages = int(slots[row]), chunks[row].page_ids
+            slot, pages = int(slots[row]), np.asarray(chunks[row].page_ids, np.int32)
+            check_no_null_page(pages)
             self.block_tables[slot, :len(pages)] = pages
             self.block_tables[slot, len(pages):] = NULL_PAGE
             self.num_pages[slot] = len(pages)

@@ -390,11 +390,14 @@ class ModelRunner:
     def prepare(self, schedule: SchedulerOutput) -> tuple[StepBucket, StepArrays]:
         """The bucket of this batch and its padded inputs as host arrays (pure numpy: the host's share of a step)."""
         chunks = schedule.sequences
+        layout = ChunkLayout.of(chunks)
+        # A step without sequences (warm-up, padding) leaves the kept rows alone.
+        slots = self._input_rows.slots(chunks, layout.num_pages) if chunks else None
         bucket = self.buckets.select(schedule.num_batched_tokens, len(chunks),
                                      prompt_logits=any(c.wants_prompt_logits for c in chunks),
-                                     penalties=any(c.sampling.params.uses_penalties for c in chunks),
+                                     penalties=slots is not None and self._input_rows.any_penalties(slots),
                                      drafts=any(c.num_draft_tokens for c in chunks))
-        return bucket, self._step_arrays(chunks, bucket)
+        return bucket, self._step_arrays(chunks, bucket, layout, slots)
 
     def replace_lost_pool(self) -> None:
         """After a failed step: a pool whose buffers the failed program consumed (donation) is replaced by zeros.
@@ -492,8 +495,9 @@ class ModelRunner:
         if self._channel is not None and self._channel.is_leader:
             self._channel.send_stop()
 
-    def _step_arrays(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket) -> StepArrays:
-        layout = ChunkLayout.of(chunks)
+    def _step_arrays(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket, layout: ChunkLayout,
+                     slots: np.ndarray | None) -> StepArrays:
+        """`slots` (i32[n]): the chunks' kept rows (InputRows.slots); None: no chunks."""
         total = layout.num_tokens
         flat_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, total)
         pending = flat_ids == PENDING_TOKEN  # bool[total]
@@ -507,8 +511,6 @@ class ModelRunner:
                 raise RuntimeError("a pending token has no sample in the previous step")
         sample_index = np.zeros(bucket.num_seqs, np.int32)
         sample_index[: len(chunks)] = layout.last_token
-        # A step without sequences (warm-up, padding) leaves the kept rows alone.
-        slots = self._input_rows.slots(chunks) if chunks else None
         inputs = build_metadata(chunks, num_tokens=bucket.num_tokens, num_seqs=bucket.num_seqs,
                                 max_pages=self.config.max_pages_per_seq, page_size=self.config.block_size,
                                 block_tables=self._input_rows.block_table_rows(slots, bucket.num_seqs)
@@ -535,7 +537,7 @@ class ModelRunner:
 
     def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
         """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""
-        return self._step_arrays([], bucket)
+        return self._step_arrays([], bucket, ChunkLayout.of([]), None)
 
 
 def _packed_tree(bucket: StepBucket, arrays: StepArrays):

@@ -36,16 +36,14 @@ def build_metadata(chunks: Sequence[ScheduledSequence], *, num_tokens: int, num_
     ones never write (their slot is dropped) and point at the first padding row, or at the last row when none is
     spare, so a full bucket of sequences needs no extra row. Whole-array numpy: the host's cost per step must stay
     well under a millisecond at hundreds of sequences. `block_tables` (i32[num_seqs, max_pages]), where given, are
-    the chunks' block tables already laid out (runner/input_rows.py keeps them between steps); `layout`, where
-    given, is `ChunkLayout.of(chunks)` already computed.
+    the chunks' block tables already laid out and checked for the null page (runner/input_rows.py keeps them between
+    steps); `layout`, where given, is `ChunkLayout.of(chunks)` already computed.
     """
     layout = layout if layout is not None else ChunkLayout.of(chunks)
-    held = np.fromiter((len(c.page_ids) for c in chunks), np.int32, len(chunks))  # i32[n]
-    _check_fits(layout, held, num_tokens, num_seqs, max_pages, page_size)
+    _check_fits(layout, num_tokens, num_seqs, max_pages, page_size)
     n, total = len(chunks), layout.num_tokens
     if block_tables is None:
-        block_tables = _block_tables(chunks, num_seqs, max_pages)
-    _check_no_null_page(block_tables[:n], held)
+        block_tables = _block_tables(chunks, layout.num_pages, num_seqs, max_pages)
     positions = np.zeros(num_tokens, np.int32)
     positions[:total] = layout.positions
     slot_mapping = np.full(num_tokens, PADDING_SLOT, np.int32)
@@ -62,16 +60,17 @@ def build_metadata(chunks: Sequence[ScheduledSequence], *, num_tokens: int, num_
     return PagedInputs(positions=positions, metadata=metadata)
 
 
-def _block_tables(chunks: Sequence[ScheduledSequence], num_seqs: int, max_pages: int) -> np.ndarray:
-    """i32[num_seqs, max_pages]: row i holds chunks[i]'s pages, then null pages."""
+def _block_tables(chunks: Sequence[ScheduledSequence], page_counts: np.ndarray, num_seqs: int,
+                  max_pages: int) -> np.ndarray:
+    """i32[num_seqs, max_pages]: row i holds chunks[i]'s pages (page_counts i32[n] of them), then null pages."""
     n = len(chunks)
     block_tables = np.full((num_seqs, max_pages), NULL_PAGE, np.int32)
-    page_counts = np.fromiter((len(c.page_ids) for c in chunks), np.int32, n)  # i32[n]
     page_rows = np.repeat(np.arange(n, dtype=np.int32), page_counts)
     page_cols = np.arange(page_counts.sum(), dtype=np.int32) - np.repeat(np.cumsum(page_counts) - page_counts,
                                                                          page_counts)
-    block_tables[page_rows, page_cols] = np.fromiter(itertools.chain.from_iterable(c.page_ids for c in chunks),
-                                                     np.int32, int(page_counts.sum()))
+    pages = np.fromiter(itertools.chain.from_iterable(c.page_ids for c in chunks), np.int32, int(page_counts.sum()))
+    check_no_null_page(pages)
+    block_tables[page_rows, page_cols] = pages
     return block_tables
 
 
@@ -81,6 +80,7 @@ class ChunkLayout:
 
     starts: np.ndarray  # i32[n]: position of each chunk's first token in its sequence
     counts: np.ndarray  # i32[n]: tokens per chunk
+    num_pages: np.ndarray  # i32[n]: pages each chunk's sequence holds (the length of its block table)
     first_token: np.ndarray  # i32[n]: index of each chunk's first token in the batch
     token_rows: np.ndarray  # i32[total]: the chunk (row) of every real token
     positions: np.ndarray  # i32[total]: every real token's position in its sequence
@@ -90,10 +90,14 @@ class ChunkLayout:
         n = len(chunks)
         starts = np.fromiter((c.start_position for c in chunks), np.int32, n)
         counts = np.fromiter((c.num_tokens for c in chunks), np.int32, n)
+        num_pages = np.fromiter((len(c.page_ids) for c in chunks), np.int32, n)
+        if (counts == 1).all():  # a decode step: chunk i is token i
+            rows = np.arange(n, dtype=np.int32)
+            return cls(starts, counts, num_pages, rows, rows, starts)
         first_token = (np.cumsum(counts) - counts).astype(np.int32)
         token_rows = np.repeat(np.arange(n, dtype=np.int32), counts)
         offsets = np.arange(counts.sum(), dtype=np.int32) - first_token[token_rows]  # i32[total]: index in chunk
-        return cls(starts, counts, first_token, token_rows, starts[token_rows] + offsets)
+        return cls(starts, counts, num_pages, first_token, token_rows, starts[token_rows] + offsets)
 
     @property
     def num_tokens(self) -> int:
@@ -104,10 +108,8 @@ class ChunkLayout:
         return self.first_token + self.counts - 1
 
 
-def _check_fits(layout: ChunkLayout, held: np.ndarray, num_tokens: int, num_seqs: int, max_pages: int,
-                page_size: int) -> None:
-    """`held` (i32[n]): pages each chunk's sequence holds."""
-    total, n = layout.num_tokens, len(held)
+def _check_fits(layout: ChunkLayout, num_tokens: int, num_seqs: int, max_pages: int, page_size: int) -> None:
+    total, n, held = layout.num_tokens, len(layout.counts), layout.num_pages
     if total > num_tokens or n > num_seqs:
         raise ValueError(f"{n} sequences with {total} tokens do not fit buckets of "
                          f"{num_seqs} sequences and {num_tokens} tokens")
@@ -119,8 +121,7 @@ def _check_fits(layout: ChunkLayout, held: np.ndarray, num_tokens: int, num_seqs
                          f"pages; it has {int(held[i])} and a block table holds {max_pages}")
 
 
-def _check_no_null_page(block_tables: np.ndarray, held: np.ndarray) -> None:
-    """`block_tables` (i32[n, max_pages]) of the n chunks, each with `held` (i32[n]) pages written."""
-    written = np.arange(block_tables.shape[1]) < held[:, None]  # bool[n, max_pages]
-    if (block_tables[written] == NULL_PAGE).any():
+def check_no_null_page(page_ids: np.ndarray) -> None:
+    """Refuses a block table (i32[...] of page ids a sequence holds) that names the null page."""
+    if (page_ids == NULL_PAGE).any():
         raise ValueError("page 0 is the null page and cannot belong to a sequence")

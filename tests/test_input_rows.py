@@ -8,9 +8,8 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.runner.input_rows import InputRows
-from jaxserve.runner.paged_inputs import _block_tables
 from jaxserve.runner.sampler import build_sampling_tensors
-from jaxserve.schedule import SamplingRow, ScheduledSequence
+from jaxserve.schedule import NULL_PAGE, SamplingRow, ScheduledSequence
 
 CAPACITY, MAX_PAGES, BIAS, STOPS, VOCAB = 6, 8, 4, 4, 64
 EOS = (1, 2)
@@ -57,6 +56,14 @@ def _step(rng, live, free_pages, counter):
         live.append(_Sequence(f"r{next(counter)}", rng, free_pages))
 
 
+def _plain_block_tables(chunks, num_rows) -> np.ndarray:
+    """The reference: each chunk's pages in its row, null pages after them and in the padding rows."""
+    table = np.full((num_rows, MAX_PAGES), NULL_PAGE, np.int32)
+    for row, chunk in enumerate(chunks):
+        table[row, :len(chunk.page_ids)] = chunk.page_ids
+    return table
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_kept_rows_build_what_the_reference_builds(seed):
     import itertools
@@ -74,8 +81,7 @@ def test_kept_rows_build_what_the_reference_builds(seed):
         history = 64 if any(c.sampling.params.uses_penalties for c in chunks) else 1
         page_counts = np.array([len(c.page_ids) for c in chunks], np.int32)
         slots = rows.slots(chunks, page_counts)
-        np.testing.assert_array_equal(rows.block_table_rows(slots, num_rows),
-                                      _block_tables(chunks, page_counts, num_rows, MAX_PAGES))
+        np.testing.assert_array_equal(rows.block_table_rows(slots, num_rows), _plain_block_tables(chunks, num_rows))
         assert rows.any_penalties(slots) == any(c.sampling.params.uses_penalties for c in chunks)
         kept = rows.sampling_tensors(chunks, slots, num_rows, history)
         built = dataclasses.replace(build_sampling_tensors([c.sampling for c in chunks], num_rows, bias_width=BIAS,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.runner.paged_inputs import write_block_table_rows
+from jaxserve.runner.paged_inputs import check_no_null_page
 from jaxserve.runner.sampler import (PenaltyTensors, SamplingTensors, TruncationTensors, build_sampling_tensors,
                                      penalty_tensors)
 from jaxserve.schedule import NULL_PAGE, SamplingRow, ScheduledSequence
@@ -123,11 +123,14 @@ class InputRows:
         held = self.num_pages[slots]
         stored_last = self.block_tables[slots, np.maximum(counts - 1, 0)]
         changed = (counts != held) | (stored_last != np.where(counts > 0, last, stored_last))
-        rows = np.flatnonzero(changed)
-        if rows.size:
-            written = slots[rows]
-            write_block_table_rows(self.block_tables, written, [chunks[row] for row in rows.tolist()], counts[rows])
-            self.num_pages[written] = counts[rows]
+        # Row by row: about 16 rows change per step at 256 sequences, and numpy copies a tuple into a row faster
+        # than a whole-array scatter gathers them (measured 32 against 47 us).
+        for row in np.flatnonzero(changed).tolist():
+            slot, pages = int(slots[row]), chunks[row].page_ids
+            check_no_null_page(pages)
+            self.block_tables[slot, :len(pages)] = pages
+            self.block_tables[slot, len(pages):] = NULL_PAGE
+            self.num_pages[slot] = len(pages)
 
 
 def _flat_settings(tensors: SamplingTensors) -> dict[str, np.ndarray]:

@@ -63,21 +63,15 @@ def build_metadata(chunks: Sequence[ScheduledSequence], *, num_tokens: int, num_
 def _block_tables(chunks: Sequence[ScheduledSequence], page_counts: np.ndarray, num_seqs: int,
                   max_pages: int) -> np.ndarray:
     """i32[num_seqs, max_pages]: row i holds chunks[i]'s pages (page_counts i32[n] of them), then null pages."""
+    n = len(chunks)
     block_tables = np.full((num_seqs, max_pages), NULL_PAGE, np.int32)
-    write_block_table_rows(block_tables, np.arange(len(chunks)), chunks, page_counts)
-    return block_tables
-
-
-def write_block_table_rows(block_tables: np.ndarray, rows: np.ndarray, chunks: Sequence[ScheduledSequence],
-                           page_counts: np.ndarray) -> None:
-    """Writes chunks[i]'s pages (page_counts[i] of them), then null pages, into row rows[i] of block_tables
-    (i32[R, max_pages]), in a few whole-array operations; refuses (ValueError) pages naming the null page before
-    writing any. rows: i[n] distinct, page_counts: i32[n]."""
+    page_rows = np.repeat(np.arange(n, dtype=np.int32), page_counts)
+    page_cols = np.arange(page_counts.sum(), dtype=np.int32) - np.repeat(np.cumsum(page_counts) - page_counts,
+                                                                         page_counts)
     pages = np.fromiter(itertools.chain.from_iterable(c.page_ids for c in chunks), np.int32, int(page_counts.sum()))
     check_no_null_page(pages)
-    page_cols = np.arange(pages.size, dtype=np.int32) - np.repeat(np.cumsum(page_counts) - page_counts, page_counts)
-    block_tables[rows] = NULL_PAGE
-    block_tables[np.repeat(rows, page_counts), page_cols] = pages
+    block_tables[page_rows, page_cols] = pages
+    return block_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +121,7 @@ def _check_fits(layout: ChunkLayout, num_tokens: int, num_seqs: int, max_pages: 
                          f"pages; it has {int(held[i])} and a block table holds {max_pages}")
 
 
-def check_no_null_page(page_ids: np.ndarray) -> None:
-    """Refuses a block table (i32[...] of page ids a sequence holds) that names the null page."""
-    if (page_ids == NULL_PAGE).any():
+def check_no_null_page(page_ids: Sequence[int] | np.ndarray) -> None:
+    """Refuses page ids sequences hold (a block table's tuple, or i32[...]) that name the null page."""
+    if NULL_PAGE in page_ids:
         raise ValueError("page 0 is the null page and cannot belong to a sequence")

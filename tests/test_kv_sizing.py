@@ -8,7 +8,9 @@ import pytest
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.device_memory import MEM_FRACTION_VARS, claim_device_memory
-from jaxserve.engine.kv_sizing import bytes_per_page, device_budget_bytes, resolve_num_pages
+from jaxserve.engine import startup
+from jaxserve.engine.kv_sizing import (WORKSPACE_SLACK_BYTES, bytes_per_page, check_workspace_plan, device_budget_bytes,
+                                      resolve_num_pages)
 from jaxserve.errors import ConfigError
 from jaxserve.runner.model_runner import ModelRunner
 
@@ -74,10 +76,25 @@ def test_memory_that_cannot_fit_the_limits_names_the_limit_to_lower(builtin):
     assert _pages(builtin, memory_stats=stats, gpu_memory_utilization=0.11) == 21
 
 
-def test_largest_step_workspace_is_measured_by_xla(builtin):
+def test_every_compiled_program_fits_the_workspace_the_sizing_measured(builtin):
+    """The sizing measures one program on a two-page pool; after warm-up at the real size every program's own
+    workspace (XLA's analysis) is within it."""
     config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=8)
     runner = ModelRunner(builtin.config, builtin.graphdef, builtin.params, builtin.dtype, config)
-    assert runner.largest_step_workspace_bytes() > 0
+    planned = runner.largest_step_workspace_bytes()
+    runner.warm_up(4096, progress=False)
+    workspaces = runner.compiled_workspaces()
+    assert len(workspaces) == runner.num_programs and planned > 0
+    assert max(workspaces.values()) <= 1.01 * planned  # buffer assignment differs a little between programs
+    check_workspace_plan(planned, workspaces)
+
+
+def test_a_program_needing_more_workspace_than_planned_stops_start_up():
+    gib = 2**30
+    check_workspace_plan(2 * gib, {"step a": 2 * gib, "sampler b": gib // 2})
+    check_workspace_plan(0, {"step a": WORKSPACE_SLACK_BYTES})  # alignment-sized excess is allowed
+    with pytest.raises(ConfigError, match=r"the step big program needs 44\.74 GiB .* more than the 2\.00 GiB"):
+        check_workspace_plan(2 * gib, {"step a": gib, "step big": int(44.74 * gib)})
 
 
 def test_utilization_is_a_share_of_the_device_not_of_the_allocator_limit():
@@ -101,3 +118,21 @@ def test_commands_raise_the_allocator_share_to_the_utilization_unless_the_operat
     monkeypatch.setenv(MEM_FRACTION_VARS[0], "0.6")
     claim_device_memory(0.9)
     assert float(os.environ[MEM_FRACTION_VARS[0]]) == 0.6
+
+
+def _start_sized_from_memory(builtin, monkeypatch, workspaces=None):
+    """start_runner as on a GPU: the pool sized from the allocator's statistics (64 MiB, 16 in use)."""
+    monkeypatch.setattr(startup, "device_memory_stats", lambda: {"bytes_limit": 64 * 2**20, "bytes_in_use": 2**24})
+    if workspaces is not None:
+        monkeypatch.setattr(ModelRunner, "compiled_workspaces", lambda runner: workspaces)
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=8)
+    return startup.start_runner(builtin, config.with_model_limit(builtin.config.max_position_embeddings),
+                                progress=False)
+
+
+def test_a_memory_sized_start_checks_its_programs_workspace(builtin, monkeypatch):
+    runner, config, _, _ = _start_sized_from_memory(builtin, monkeypatch)
+    assert config.num_kv_pages > 2 * 8  # sized from the 48 MiB left, not from max_num_seqs
+    check_workspace_plan(runner.largest_step_workspace_bytes(), runner.compiled_workspaces())
+    with pytest.raises(ConfigError, match="the step copy program needs 1.00 GiB of workspace"):
+        _start_sized_from_memory(builtin, monkeypatch, {"step copy": 2**30})

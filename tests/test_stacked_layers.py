@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -14,7 +15,7 @@ from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, PagedKVCache
+from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, PagedKVCache, write_slots
 from jaxserve.runner.model_runner import ModelRunner
 
 TOKENS, SEQS, MAX_PAGES, PAGE_SIZE = 16, 2, 8, 8
@@ -51,9 +52,11 @@ def test_the_step_program_holds_one_layer_whatever_the_depth():
     assert len(deep) < 1.05 * len(shallow)
 
 
-def test_the_workspace_does_not_grow_with_the_pool():
-    """Were a layer's pages sliced out of the pool (into a kernel, or out of a scan iteration), XLA would need a
-    temporary of that slice: the workspace would grow with the pool."""
+def test_no_step_program_s_workspace_grows_with_the_pool():
+    """Were a layer's pages sliced out of the pool (into a kernel, or out of a scan iteration), or the pool copied
+    (XLA turns a one-token write into a bounds-checked dynamic-update-slice that keeps the old pool alive), XLA would
+    need a temporary of that size: the workspace would grow with the pool. Every bucket, the one-token step's
+    included."""
     builtin = load_model(None, "float32", progress=False)
     config = EngineConfig(max_num_seqs=SEQS, max_num_batched_tokens=TOKENS, max_model_len=64, block_size=PAGE_SIZE)
     runner = ModelRunner(builtin.config, builtin.graphdef, builtin.params, builtin.dtype, config)
@@ -61,9 +64,13 @@ def test_the_workspace_does_not_grow_with_the_pool():
     cfg = builtin.config
     one_layer_slice = cfg.num_key_value_heads * large_pool_pages * PAGE_SIZE * cfg.head_dim * jnp.dtype(
         builtin.dtype).itemsize  # bytes of one layer's K pages
-    small, large = runner.largest_step_workspace_bytes(2), runner.largest_step_workspace_bytes(large_pool_pages)
-    assert large - small < one_layer_slice // 100
-    assert large < one_layer_slice // 4
+    buckets = runner.buckets.all_buckets()
+    assert min(bucket.num_tokens for bucket in buckets) == 1
+    for bucket in buckets:
+        small, large = runner.step_workspace_bytes(bucket, 2), runner.step_workspace_bytes(bucket, large_pool_pages)
+        assert large - small < one_layer_slice // 100, bucket
+        assert large < one_layer_slice // 4, bucket
+    assert runner.largest_step_workspace_bytes(large_pool_pages) < one_layer_slice // 4
 
 
 @pytest.mark.parametrize("layer", [0, 1])
@@ -81,3 +88,15 @@ def test_each_layer_writes_only_its_own_pages(layer):
     assert bool(jnp.all(written == 7.0))
     assert float(jnp.abs(cache.k_pages).sum()) == float(jnp.abs(written).sum())  # the padding token wrote nothing
     assert float(jnp.abs(cache.v_pages[:, 1 - layer]).sum()) == 0.0
+
+
+@pytest.mark.parametrize("slot", [5, -1])
+def test_a_one_token_write_lands_in_its_slot_or_nowhere(slot):
+    """The one-token write (padded with a dropped slot so that XLA keeps it a scatter) against numpy."""
+    pages = jnp.arange(2 * 3 * 4 * 2, dtype=jnp.float32).reshape(2, 3, 4, 2)  # f[kv_heads, pages, page_size, dim]
+    new = jnp.full((1, 2, 2), -7.0)  # f[T=1, kv_heads, head_dim]
+    expected = np.array(pages).reshape(2, 12, 2)
+    if slot >= 0:
+        expected[:, slot] = -7.0
+    written = jax.jit(write_slots)(pages, new, jnp.array([slot], jnp.int32))
+    np.testing.assert_array_equal(np.array(written).reshape(2, 12, 2), expected)

@@ -80,6 +80,26 @@ def _check_weights_and_workspace_fit(budget: float, weights: int, workspace: int
                           "raise gpu_memory_utilization, or split the model over more devices (--tensor-parallel-size)")
 
 
+# How much a compiled program's workspace may exceed the sizing's measurement (buffer alignment, a program compiled
+# at the real pool size) before the plan is wrong.
+WORKSPACE_SLACK_BYTES = 64 * 2**20
+WORKSPACE_SLACK_SHARE = 0.1
+
+
+def check_workspace_plan(planned_bytes: int, workspaces: dict[str, int]) -> None:
+    """After compiling at the pool's real size: a program needing much more workspace than the pool's sizing set
+    aside (measured on a two-page pool) would run out of memory mid-run, failing its requests; it is a start-up error
+    instead, naming the program. A workspace that grows with the pool means XLA copies (part of) the pool."""
+    if not workspaces:
+        return
+    name, largest = max(workspaces.items(), key=lambda item: item[1])
+    if largest > planned_bytes * (1 + WORKSPACE_SLACK_SHARE) + WORKSPACE_SLACK_BYTES:
+        raise ConfigError(f"the {name} program needs {_gib(largest)} of workspace at this pool size, more than the "
+                          f"{_gib(planned_bytes)} the KV cache's sizing left for it (a copy of the pool inside it): "
+                          "set the cache's size instead (--kv-cache-memory-gb, or a lower --gpu-memory-utilization) "
+                          "and report the program")
+
+
 def _check_one_sequence_fits(pages: int, per_page: int, page_size: int, max_model_len: int) -> None:
     """A pool sized from memory must hold one sequence of max_model_len tokens, or that length could never run."""
     needed = -(-max_model_len // page_size)

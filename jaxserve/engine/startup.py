@@ -20,7 +20,8 @@ from jaxserve.checkpoint.loading import weight_bytes_per_device
 from jaxserve.config import EngineConfig
 from jaxserve.device_memory import allocator_fraction
 from jaxserve.errors import ConfigError
-from jaxserve.engine.kv_sizing import bytes_per_page, device_memory_stats, resolve_num_pages
+from jaxserve.engine.kv_sizing import (bytes_per_page, check_workspace_plan, device_memory_stats,
+                                      resolve_num_pages)
 from jaxserve.model.kv_quantization import is_float8, kv_pool_dtype
 from jaxserve.parallel.process_group import smallest_across_processes
 from jaxserve.runner.lockstep import spans_processes
@@ -63,8 +64,11 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress:
         loading = loader.submit(_timed_load, model, progress) if planned else None
         pending_bytes = (model.weight_bytes_per_device() if planned else 0) + (
             draft.weight_bytes_per_device() if draft is not None else 0)
-        config = config.with_pool(_pool_pages(model, config, runner, stats, pending_bytes, draft))
+        pages, workspace = _pool_pages(model, config, runner, stats, pending_bytes, draft)
+        config = config.with_pool(pages)
         runner.warm_up(config.num_kv_pages, progress)
+        if stats is not None:  # a pool sized from memory leaves the steps only the workspace it measured
+            check_workspace_plan(workspace, runner.compiled_workspaces())
         draft_runner = _start_draft(draft, config, progress) if draft is not None else None
         load_seconds = 0.0
         if loading is not None:
@@ -152,9 +156,9 @@ def _timed_load(plan: ModelPlan, progress: bool) -> tuple[LoadedModel, float]:
 
 
 def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: ModelRunner, stats: dict | None,
-                pending_weight_bytes: int, draft: ModelPlan | None) -> int:
-    """The pool's size; sized from device memory, it leaves room for the weights (those still loading counted as
-    in use) and for the largest step's activation workspace.
+                pending_weight_bytes: int, draft: ModelPlan | None) -> tuple[int, int]:
+    """The pool's size and the workspace left beside it; sized from device memory, the pool leaves room for the
+    weights (those still loading counted as in use) and for the largest step's activation workspace.
 
     In a multi-process group every process takes the smallest count, so all compile the same programs.
     """
@@ -172,7 +176,7 @@ def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: Mo
                               gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
                               workspace_bytes=workspace, allocator_share=allocator_fraction(),
                               extra_bytes_per_page=_draft_bytes_per_page(draft, config))
-    return smallest_across_processes(pages)
+    return smallest_across_processes(pages), workspace
 
 
 def _draft_bytes_per_page(draft: ModelPlan | None, config: EngineConfig) -> int:

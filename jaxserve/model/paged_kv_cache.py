@@ -370,10 +370,17 @@ def write_slots(
 
     jnp would wrap a negative index to the pool's end, so negative slots are moved past the end first, where the
     scatter's drop mode discards them. The reshapes are bitcasts, so a donated pool is updated in place.
+
+    A one-token write gets a second, dropped slot: XLA rewrites a one-index scatter in drop mode into a bounds check
+    selecting between the pool and a dynamic-update-slice of it, which needs the old pool and the new one alive at
+    once, so it copies the pool (every layer, every step of one token).
     """
     kv_heads, num_pages, page_size, head_dim = pages.shape
     capacity = num_pages * page_size
     slots = jnp.where(slot_mapping >= 0, slot_mapping, capacity)  # i32[T]
+    if slots.shape[0] == 1:
+        slots = jnp.concatenate([slots, jnp.full(1, capacity, slots.dtype)])  # i32[2]
+        new = jnp.concatenate([new, jnp.zeros_like(new)])  # f[2, kv_heads, head_dim]
     flat = pages.reshape(kv_heads, capacity, head_dim)
     flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
     return flat.reshape(pages.shape)

@@ -237,23 +237,32 @@ class ModelRunner:
         self.lora.write(slot, weights)
 
     def largest_step_workspace_bytes(self, num_pages: int = 2) -> int:
-        """Temporary memory of the largest step (all tokens, all rows, full sampler) on one device, from XLA's
-        analysis of the (per-device, under tensor parallelism) program.
+        """Temporary memory of the largest step (all tokens, all rows, full sampler, prompt scores) on one device,
+        from XLA's analysis of the (per-device, under tensor parallelism) program.
 
         Compiled against a pool of `num_pages` pages, by default two: the workspace does not grow with the pool
         (layers index the whole pool; no layer's pages are ever copied), so it is measured before the real pool
-        exists, and the pool is sized to what is left.
+        exists, and the pool is sized to what is left; `compiled_workspaces` checks that after warm-up.
         """
         tokens, rows = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        largest = [self.buckets.select(tokens, rows, penalties=True)]
+        # The scoring bucket runs the full sampler (penalties) and adds the prompt scores' logits tiles: the most, up
+        # to XLA's buffer assignment, which the check after warm-up allows for.
+        largest = [self.buckets.select(tokens, rows, prompt_logits=True)]
         if self.buckets.speculative:  # its sampler works on K + 1 logits rows per sequence
             largest.append(self.buckets.select(tokens, rows, drafts=True))
-        return max(self._workspace_bytes(bucket, num_pages) for bucket in largest)
+        return max(self.step_workspace_bytes(bucket, num_pages) for bucket in largest)
 
-    def _workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
+    def compiled_workspaces(self) -> dict[str, int]:
+        """Temporary memory of every program warm_up compiled (on one device), by program: what each step needs
+        beside weights and pool at the pool's real size, which the sizing's two-page measurement stands for."""
+        programs = {**{f"step {bucket}": program for bucket, program in self._programs.items()},
+                    **{f"sampler of {rows} rows": program for rows, program in self._sampling_programs.items()}}
+        return {name: _temp_bytes(program) for name, program in programs.items()}
+
+    def step_workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
+        """Temporary memory of the bucket's program (a plain bucket's forward) against a pool of `num_pages`."""
         with self.guard.watch():
-            analysis = self._lower(bucket, num_pages).compile().memory_analysis()
-        return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+            return _temp_bytes(self._lower(bucket, num_pages).compile())
 
     def load_params(self, params: nnx.State) -> None:
         """Attaches the real weights, which must match the abstract ones the programs were compiled for."""
@@ -610,3 +619,9 @@ def _program_bar(verb: str, total: int, shown: bool) -> tqdm:
     """A bar of step programs `verb`-ed; bars open together take a line each."""
     return tqdm(total=total, desc=f"{verb} {total} step programs", unit="program", disable=not shown,
                 mininterval=0.5)
+
+
+def _temp_bytes(program: jax.stages.Compiled) -> int:
+    """The program's temporary memory on one device, from XLA's analysis (0 where the backend gives none)."""
+    analysis = program.memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else 0

@@ -15,11 +15,8 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
                             same tokens (32 prompts + 64 greedy tokens) against a float32 engine of the same weights,
                             prefill and decode paths (pallas within 1.5x XLA's distance); greedy ids compared too
              engine_speed   benchmarks/kernels.py --engine: batch-1 decode against the HBM roofline, throughput at 64
-                            and 256 sequences, pallas vs xla vs pallas with the scanned layers' loop in one CUDA graph,
-                            host time per step phase (schedule, dispatch, wait, outputs)
-             speculative    benchmarks/speculative.py on the 8B-shaped model, engines without and with speculation:
-                            n-gram drafts and replayed drafts at acceptance 0/0.5/0.8/1, batch 1 and 16: target steps
-                            per token, verifying-step cost, wall speed-up
+                            and 256 sequences, pallas vs xla, host time per step phase (schedule, dispatch, wait,
+                            outputs)
     group 3  quantized_engine  benchmarks/kernels.py --engine with four engines alive at once: bf16, int8 and fp8
                             weights, fp8 weights with an fp8 KV cache; batch 1 and 64 decode, each against bf16
              serve          `jaxserve serve --config configs/llama-3.1-8b-h100.yaml` on a random 8B checkpoint (its
@@ -35,6 +32,11 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
     group 5  structured_output  benchmarks/structured_output.py: host ms to fill 64 grammar masks over a 128k
                             vocabulary; the 8B-shaped engine's tokens/s with JSON Schema constraints vs without
                             (target 0.9x) and vs constrained without async overlap
+             speculative    benchmarks/speculative.py on the 8B-shaped model, engines without and with speculation:
+                            n-gram drafts and replayed drafts at acceptance 0/0.5/0.8/1, batch 1 and 16: target steps
+                            per token, verifying-step cost, wall speed-up
+             graphed_loop   benchmarks/kernels.py --engine at batch 1: pallas vs pallas with the scanned layers' loop
+                            in one CUDA graph (XLA's command buffers), what the per-layer launches cost
 
 Each part runs in a process of its own under a wall-clock budget: a Triton crash, an out-of-memory or a hang costs
 that part alone (reported with its status and the tail of its output) and the rest still runs. The report is

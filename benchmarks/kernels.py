@@ -939,8 +939,18 @@ def step_until_decoding(engine: LLMEngine, ids: list[str], settings: EngineSetti
 def engine_decode_run(batch: int, tag: str) -> dict[str, Any]:
     """Runs in the engine's process: `batch` fresh random prompts, prefilled, then `warm_steps` untimed and `steps`
     timed decode steps; the requests are aborted afterwards. Step time is wall time between engine.step() calls in
-    steady state (with async scheduling: the device step, unless the host is slower)."""
+    steady state (with async scheduling: the device step, unless the host is slower). A run that fails leaves the
+    engine as the server does after a failed step (every request and the step in flight dropped), so the next
+    batch still runs."""
     engine: LLMEngine = _ENGINE["engine"]
+    try:
+        return _timed_decode(engine, batch, tag)
+    except Exception:
+        engine.abort_all_requests()
+        raise
+
+
+def _timed_decode(engine: LLMEngine, batch: int, tag: str) -> dict[str, Any]:
     settings: EngineSettings = _ENGINE["settings"]
     rng = np.random.default_rng([settings.seed, zlib.crc32(tag.encode())])  # fresh prompts: no prefix-cache hits
     ids = [f"{tag}-{i}" for i in range(batch)]

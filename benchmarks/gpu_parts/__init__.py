@@ -7,9 +7,10 @@ part only, and the GPU memory it claimed is freed before the next starts.
 
 Budgets are wall-clock limits in seconds, process start and JAX's import included. Each group's GPU budgets add up to
 8.2 minutes at most, so that a group, with the wheels' install before it, fits one 10-minute command. Groups 1 and
-2 validate and measure the engine itself and speculative decoding; group 3 measures quantized weights and serving
-over HTTP; group 4 measures what serving LoRA adapters costs (the engine, and the delta's forms) and the host's
-work per step on the GPU host's CPU; group 5 what structured output costs.
+2 validate and measure the engine itself; group 3 measures quantized weights and serving over HTTP; group 4 measures
+what serving LoRA adapters costs (the engine, and the delta's forms) and the host's work per step on the GPU host's
+CPU; group 5 what structured output costs, speculative decoding, and batch-1 decode with the layer loop in one CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class Part:
 ENGINE_GPU_ARGS = ["--engine-batches", "1", "64", "256", "--engine-prompt-len", "256", "--engine-batched-tokens",
                    "1024"]
 ENGINE_SMOKE_ARGS = ["--smoke", "--engine-batches", "1", "2", "--engine-batched-tokens", "16"]  # few programs
+
+# Batch-1 decode only, pallas against pallas with the layer loop in one CUDA graph: two engines whose pools hold one
+# sequence, so their few programs compile fast and both fit beside each other on an 80 GB GPU.
+GRAPHED_LOOP_GPU_ARGS = ["--engine-batches", "1", "--engine-prompt-len", "256", "--engine-batched-tokens", "256",
+                         "--engine-rounds", "3", "--engine-variants", "pallas", "pallas-graphed-loop"]
 
 # The engine's page size: EngineConfig.block_size's default, which every preset in configs/ keeps.
 PAGE_SIZE = 16
@@ -101,19 +107,18 @@ PARTS = [
          dict(args=["--model", "builtin", "--layers", "2", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
                     "--max-model-len", "64", "--dtype", "float32"]),
          "engine start-up at the 8B preset's shapes, cold and warm compilation cache", plot="startup.png"),
-    Part("engine_parity", 2, 200, 180, "gpu_parts.engine_parity:run",
+    Part("engine_parity", 2, 300, 180, "gpu_parts.engine_parity:run",
          dict(engine_args=ENGINE_GPU_ARGS, prompts=32, new_tokens=64, min_prompt_len=16),
          dict(engine_args=ENGINE_SMOKE_ARGS, prompts=6, new_tokens=12, min_prompt_len=4),
          "the 8B-shaped engine, attention pallas vs xla: log-probabilities of the same tokens against a float32 "
          "engine, and greedy tokens identical or the first divergence"),
-    Part("engine_speed", 2, 150, 180, "gpu_parts.engine_speed:run",
-         dict(args=["--engine", "--skip-kernels", *ENGINE_GPU_ARGS, "--engine-rounds", "2", "--engine-variants",
-                    "pallas", "xla", "pallas-graphed-loop"]),
+    Part("engine_speed", 2, 170, 180, "gpu_parts.engine_speed:run",
+         dict(args=["--engine", "--skip-kernels", *ENGINE_GPU_ARGS, "--engine-rounds", "2"]),
          dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS]),
-         "batch-1 decode against the HBM roofline, throughput at 64 and 256 sequences, pallas vs xla vs pallas with "
-         "the layer loop in one CUDA graph; host time per step phase",
+         "batch-1 decode against the HBM roofline, throughput at 64 and 256 sequences, pallas vs xla; host time per "
+         "step phase",
          plot="engine.png"),
-    Part("speculative", 2, 130, 180, "gpu_parts.speculative:run",
+    Part("speculative", 5, 130, 180, "gpu_parts.speculative:run",
          dict(args=SPECULATIVE_GPU_ARGS), dict(args=["--smoke"]),
          "speculative decoding vs none, 8B-shaped engine at batch 1 and 16: n-gram drafts, and replayed drafts at "
          "acceptance 0-1 (steps per token, verify-step cost, wall speed-up)", plot="speculative.png"),
@@ -149,5 +154,11 @@ PARTS += [
          dict(args=STRUCTURED_SMOKE_ARGS),
          "structured output: host ms to fill 64 grammar masks over a 128k vocabulary; the 8B-shaped engine's tokens/s "
          "constrained vs unconstrained (target 0.9x) and vs constrained without async overlap"),
+    Part("graphed_loop", 5, 110, 180, "gpu_parts.engine_speed:run",
+         dict(args=["--engine", "--skip-kernels", *GRAPHED_LOOP_GPU_ARGS]),
+         dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS, "--engine-batches", "1", "--engine-variants",
+                    "pallas", "pallas-graphed-loop"]),
+         "batch-1 decode, pallas vs pallas with the scanned layers' loop in one CUDA graph (what the per-layer "
+         "launches cost)", plot="graphed_loop.png"),
 ]
 PARTS_BY_NAME = {part.name: part for part in PARTS}

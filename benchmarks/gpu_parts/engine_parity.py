@@ -19,6 +19,7 @@ masks wrongly moves log-probabilities by the spread of the distribution, which t
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -73,11 +74,17 @@ def run(context: PartContext, engine_args: list[str], prompts: int, new_tokens: 
 
 def with_engine(model: LoadedModel, settings: EngineSettings, backend: str, work: Callable[[LLMEngine], Any]) -> Any:
     """`work`'s result on an engine of this attention backend, which is shut down and released after."""
+    started = time.perf_counter()
     engine = LLMEngine(model, load_tokenizer(BUILTIN_MODEL_DIR), engine_config(settings, ENGINE_VARIANTS[backend]),
                        progress=False)
+    ready = time.perf_counter()
+    print(f"{backend} {np.dtype(model.dtype).name} engine ready in {ready - started:.1f} s", flush=True)
     try:
         return work(engine)
     finally:
+        # A timed-out run's log then says where the time went.
+        print(f"{backend} {np.dtype(model.dtype).name} engine's work done in {time.perf_counter() - ready:.1f} s",
+              flush=True)
         engine.shutdown()
         del engine
         gc.collect()  # the engine's KV pool goes before the next engine allocates its own

@@ -62,7 +62,7 @@ def test_listing_names_every_part_and_each_groups_budget():
     text = gpu_check.listing()
     assert all(part.name in text for part in PARTS)
     assert "group 1: 480 s" in text and "group 2: 480 s" in text and "group 3: 490 s" in text
-    assert "group 4: 480 s" in text and "group 5: 240 s" in text
+    assert "group 4: 480 s" in text and "group 5: 480 s" in text
 
 
 def test_nvidia_smi_query_rows_parse_into_named_fields():
@@ -181,6 +181,8 @@ def assert_figures_of_every_part(parts: dict) -> None:
     assert all(row["host_phase_ms"]["dispatch"] > 0 for row in figures["engine_speed"]["rows"])
     assert {(row["batch"], row["backend"]) for row in figures["engine_speed"]["rows"]} == {
         (batch, backend) for batch in (1, 2) for backend in ("pallas", "xla")}
+    assert {(row["batch"], row["backend"]) for row in figures["graphed_loop"]["rows"]} == {
+        (1, "pallas"), (1, "pallas-graphed-loop")}
     assert {(row["batch"], row["backend"]) for row in figures["quantized_engine"]["rows"]} == {
         (batch, variant) for batch in (1, 2) for variant in ("pallas", "pallas-fp8-kv-fp8")}
     assert figures["quantized_engine"]["weights_only_roofline"]["pallas-fp8-kv-fp8"]["weight_bytes"] < (

@@ -112,16 +112,12 @@ PARTS = [
          dict(engine_args=ENGINE_SMOKE_ARGS, prompts=6, new_tokens=12, min_prompt_len=4),
          "the 8B-shaped engine, attention pallas vs xla: log-probabilities of the same tokens against a float32 "
          "engine, and greedy tokens identical or the first divergence"),
-    Part("engine_speed", 2, 170, 180, "gpu_parts.engine_speed:run",
+    Part("engine_speed", 2, 180, 180, "gpu_parts.engine_speed:run",
          dict(args=["--engine", "--skip-kernels", *ENGINE_GPU_ARGS, "--engine-rounds", "2"]),
          dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS]),
          "batch-1 decode against the HBM roofline, throughput at 64 and 256 sequences, pallas vs xla; host time per "
          "step phase",
          plot="engine.png"),
-    Part("speculative", 5, 130, 180, "gpu_parts.speculative:run",
-         dict(args=SPECULATIVE_GPU_ARGS), dict(args=["--smoke"]),
-         "speculative decoding vs none, 8B-shaped engine at batch 1 and 16: n-gram drafts, and replayed drafts at "
-         "acceptance 0-1 (steps per token, verify-step cost, wall speed-up)", plot="speculative.png"),
 ]
 PARTS += [
     Part("quantized_engine", 3, 300, 240, "gpu_parts.engine_speed:run",
@@ -154,6 +150,10 @@ PARTS += [
          dict(args=STRUCTURED_SMOKE_ARGS),
          "structured output: host ms to fill 64 grammar masks over a 128k vocabulary; the 8B-shaped engine's tokens/s "
          "constrained vs unconstrained (target 0.9x) and vs constrained without async overlap"),
+    Part("speculative", 5, 130, 180, "gpu_parts.speculative:run",
+         dict(args=SPECULATIVE_GPU_ARGS), dict(args=["--smoke"]),
+         "speculative decoding vs none, 8B-shaped engine at batch 1 and 16: n-gram drafts, and replayed drafts at "
+         "acceptance 0-1 (steps per token, verify-step cost, wall speed-up)", plot="speculative.png"),
     Part("graphed_loop", 5, 110, 180, "gpu_parts.engine_speed:run",
          dict(args=["--engine", "--skip-kernels", *GRAPHED_LOOP_GPU_ARGS]),
          dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS, "--engine-batches", "1", "--engine-variants",

@@ -14,10 +14,10 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
     group 2  engine_parity  Llama-3.1-8B-shaped random bf16 model, pallas vs xla attention: log-probabilities of the
                             same tokens (32 prompts + 64 greedy tokens) against a float32 engine of the same weights,
                             prefill and decode paths (pallas within 1.5x XLA's distance); greedy ids compared too
-             engine_speed   benchmarks/kernels.py --engine: batch-1 decode against the HBM roofline, throughput at 64
+             engine_speed   benchmarks/engine_bench.py: batch-1 decode against the HBM roofline, throughput at 64
                             and 256 sequences, pallas vs xla, host time per step phase (schedule, dispatch, wait,
                             outputs)
-    group 3  quantized_engine  benchmarks/kernels.py --engine with four engines alive at once: bf16, int8 and fp8
+    group 3  quantized_engine  benchmarks/engine_bench.py with four engines alive at once: bf16, int8 and fp8
                             weights, fp8 weights with an fp8 KV cache; batch 1 and 64 decode, each against bf16
              serve          `jaxserve serve --config configs/llama-3.1-8b-h100.yaml` on a random 8B checkpoint (its
                             tokenizer widened to the model's vocabulary), benchmarks/serve.py for 30 s at concurrency
@@ -35,7 +35,7 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
              speculative    benchmarks/speculative.py on the 8B-shaped model, engines without and with speculation:
                             n-gram drafts and replayed drafts at acceptance 0/0.5/0.8/1, batch 1 and 16: target steps
                             per token, verifying-step cost, wall speed-up
-             graphed_loop   benchmarks/kernels.py --engine at batch 1: pallas vs pallas with the scanned layers' loop
+             graphed_loop   benchmarks/engine_bench.py at batch 1: pallas vs pallas with the scanned layers' loop
                             in one CUDA graph (XLA's command buffers), what the per-layer launches cost
 
 Each part runs in a process of its own under a wall-clock budget: a Triton crash, an out-of-memory or a hang costs

@@ -64,7 +64,7 @@ def random_model(config: dict, dtype: str, seed: int):
     from jaxserve.checkpoint.builtin import random_params
     from jaxserve.model.config import LlamaConfig
     from jaxserve.model.dtypes import resolve_dtype
-    from kernels import ENGINE_INIT_STD  # here: kernels imports this module
+    from engine_bench import ENGINE_INIT_STD  # here: engine_bench imports this module
 
     llama = LlamaConfig.from_hf_dict(config)
     weights_dtype = resolve_dtype(dtype, llama.checkpoint_dtype, jax.default_backend())

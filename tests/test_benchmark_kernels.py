@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py: its byte, FLOP and roofline counting on hand-computed cases, and a whole --smoke run."""
+"""benchmarks/kernels.py: its byte and FLOP counting on hand-computed cases, and a whole --smoke run."""
 
 from __future__ import annotations
 
@@ -86,27 +86,6 @@ def test_sweep_tunings_start_with_the_default_and_do_not_repeat():
     tunings = kernel_benchmark.decode_tunings(default, sweep=True)
     assert tunings[0] == default and len(set(tunings)) == len(tunings) > 1
     assert kernel_benchmark.decode_tunings(default, sweep=False) == [default]
-
-
-def test_roofline_counts_weights_and_every_layers_kv_pages():
-    ready = {"model_shape": dataclasses.asdict(SHAPE), "weight_bytes_per_step": 1000, "layers": 2,
-             "copy": {"bytes_per_s": 1e6}}
-    run = {"mid_window_seq_lens": [17], "step_s": 0.01}
-    figures = kernel_benchmark.roofline(ready, run)
-    # 17 tokens fill 2 pages: 2 * 16 * 64 B per layer, 2 layers, plus 1000 B of weights.
-    assert figures["step_bytes"] == 1000 + 2 * 2048
-    assert figures["roofline_step_s"] == pytest.approx(5.096e-3)
-    assert figures["fraction_of_roofline"] == pytest.approx(0.5096)
-
-
-def test_engine_requests_outlast_prefill_warm_up_and_timed_steps():
-    settings = kernel_benchmark.EngineSettings(
-        hf_config={}, dtype="bfloat16", batches=(1, 64), prompt_len=512, warm_steps=8, steps=64, rounds=3,
-        max_num_batched_tokens=256, page_size=16, interpret=False, variants=("pallas", "xla"), copy_bytes=1, reps=1,
-        seed=0)
-    # 64 prompts of 512 tokens, 192 prefill tokens a step beside 64 decodes: 171 steps; then 8 + 64, plus 32.
-    assert settings.max_new_tokens == 171 + 8 + 64 + 32
-    assert settings.max_model_len == 512 + settings.max_new_tokens
 
 
 def _finite_timed(variant: dict) -> bool:

@@ -1,5 +1,6 @@
 """Pool sizing: explicit pages, a GiB budget, or device memory minus weights and the largest step's workspace."""
 
+import logging
 import os
 
 import jax.numpy as jnp
@@ -136,3 +137,9 @@ def test_a_memory_sized_start_checks_its_programs_workspace(builtin, monkeypatch
     check_workspace_plan(runner.largest_step_workspace_bytes(), runner.compiled_workspaces())
     with pytest.raises(ConfigError, match="the step copy program needs 1.00 GiB of workspace"):
         _start_sized_from_memory(builtin, monkeypatch, {"step copy": 2**30})
+
+
+def test_start_up_logs_the_largest_programs_workspace(builtin, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger=startup.__name__)
+    _start_sized_from_memory(builtin, monkeypatch, {"step small": 2**10, "sampler of 8 rows": 3 * 2**19})
+    assert "largest workspace of 2 programs: 1.5 MiB (sampler of 8 rows)" in caplog.text

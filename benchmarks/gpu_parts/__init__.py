@@ -36,7 +36,7 @@ class Part:
     plot: str | None = None  # the PNG it writes into the output folder, None for none
 
 
-# Engine settings (benchmarks/kernels.py's --engine flags) shared by engine_parity and engine_speed: the same
+# Engine settings (benchmarks/engine_bench.py's flags) shared by engine_parity and engine_speed: the same
 # EngineConfig compiles the same programs, so the second part finds them in JAX's persistent compilation cache.
 # Batch 256 runs two Llama-3.1-8B engines (16 GB of weights each) in 45% of an 80 GB GPU each: 256-token prompts and a
 # 1024-token step keep each pool near 15 GB.
@@ -113,20 +113,18 @@ PARTS = [
          "the 8B-shaped engine, attention pallas vs xla: log-probabilities of the same tokens against a float32 "
          "engine, and greedy tokens identical or the first divergence"),
     Part("engine_speed", 2, 180, 180, "gpu_parts.engine_speed:run",
-         dict(args=["--engine", "--skip-kernels", *ENGINE_GPU_ARGS, "--engine-rounds", "2"]),
-         dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS]),
+         dict(args=[*ENGINE_GPU_ARGS, "--engine-rounds", "2"]),
+         dict(args=ENGINE_SMOKE_ARGS),
          "batch-1 decode against the HBM roofline, throughput at 64 and 256 sequences, pallas vs xla; host time per "
          "step phase",
          plot="engine.png"),
 ]
 PARTS += [
     Part("quantized_engine", 3, 300, 240, "gpu_parts.engine_speed:run",
-         dict(args=["--engine", "--skip-kernels", "--engine-batches", "1", "64", "--engine-prompt-len", "256",
-                    "--engine-batched-tokens", "1024", "--engine-rounds", "2", "--engine-variants", "pallas",
-                    "pallas-int8", "pallas-fp8", "pallas-fp8-kv-fp8", "--engine-grow-memory",
-                    "--engine-mem-fraction", "0.9"]),
-         dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS, "--engine-variants", "pallas",
-                    "pallas-fp8-kv-fp8"]),
+         dict(args=["--engine-batches", "1", "64", "--engine-prompt-len", "256", "--engine-batched-tokens", "1024",
+                    "--engine-rounds", "2", "--engine-variants", "pallas", "pallas-int8", "pallas-fp8",
+                    "pallas-fp8-kv-fp8", "--engine-grow-memory", "--engine-mem-fraction", "0.9"]),
+         dict(args=[*ENGINE_SMOKE_ARGS, "--engine-variants", "pallas", "pallas-fp8-kv-fp8"]),
          "decode with int8 / fp8 weights and an fp8 KV cache against bf16, batch 1 and 64, in one run",
          plot="quantized_engine.png"),
     Part("serve", 3, 190, 180, "gpu_parts.serving:run",
@@ -155,9 +153,8 @@ PARTS += [
          "speculative decoding vs none, 8B-shaped engine at batch 1 and 16: n-gram drafts, and replayed drafts at "
          "acceptance 0-1 (steps per token, verify-step cost, wall speed-up)", plot="speculative.png"),
     Part("graphed_loop", 5, 110, 180, "gpu_parts.engine_speed:run",
-         dict(args=["--engine", "--skip-kernels", *GRAPHED_LOOP_GPU_ARGS]),
-         dict(args=["--engine", "--skip-kernels", *ENGINE_SMOKE_ARGS, "--engine-batches", "1", "--engine-variants",
-                    "pallas", "pallas-graphed-loop"]),
+         dict(args=GRAPHED_LOOP_GPU_ARGS),
+         dict(args=[*ENGINE_SMOKE_ARGS, "--engine-batches", "1", "--engine-variants", "pallas", "pallas-graphed-loop"]),
          "batch-1 decode, pallas vs pallas with the scanned layers' loop in one CUDA graph (what the per-layer "
          "launches cost)", plot="graphed_loop.png"),
 ]

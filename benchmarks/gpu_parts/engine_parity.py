@@ -1,7 +1,7 @@
 """The whole engine, Pallas attention against XLA attention, judged against a float32 engine of the same weights.
 
 The same random prompts are decoded greedily by a bf16 engine of each backend over one random model
-(benchmarks/kernels.py's --engine model and EngineConfig, so the programs compiled here are the ones engine_speed
+(benchmarks/engine_bench.py's model and EngineConfig, so the programs compiled here are the ones engine_speed
 loads from the compilation cache), and the token ids are compared: identical, or the first divergence with both
 runs' margins there (the log-probability gap between the top two candidates).
 
@@ -18,6 +18,7 @@ masks wrongly moves log-probabilities by the spread of the distribution, which t
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine_bench import ENGINE_VARIANTS, EngineSettings, engine_config, engine_settings, parse_args, random_model
 from gpu_parts.context import PartContext, PartOutcome, markdown_table
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR
 from jaxserve.checkpoint.loading import LoadedModel
@@ -36,7 +38,6 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import load_tokenizer
-from kernels import ENGINE_VARIANTS, EngineSettings, engine_config, engine_settings, parse_args, random_model
 
 TOP_CANDIDATES = 2  # log-probabilities kept per token: the margin at a divergence needs the top two
 REFERENCE = "float32"  # the reference engine's name in the figures
@@ -128,9 +129,21 @@ def reference_scores(model: LoadedModel, settings: EngineSettings, sequences: li
     precision = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "highest")  # global: the engine compiles in threads of its own
     try:
-        return with_engine(model, settings, XLA_BACKEND, lambda engine: score(engine, sequences))
+        return with_engine(model, reference_settings(settings, sequences), XLA_BACKEND,
+                           lambda engine: score(engine, sequences))
     finally:
         jax.config.update("jax_default_matmul_precision", precision)
+
+
+def reference_settings(settings: EngineSettings, sequences: list[list[int]]) -> EngineSettings:
+    """The bf16 engines' settings with one batch of as many rows as there are sequences: the reference only scores
+    them, and its float32 pool sized for the largest bf16 batch (256 rows, 28 GiB at the 8B shapes) beside 32 GB of
+    float32 weights would not fit an 80 GB GPU; its fewer decode buckets also compile sooner."""
+    lean = dataclasses.replace(settings, batches=(len(sequences),))
+    longest = max(len(sequence) for sequence in sequences)
+    if longest > lean.max_model_len:
+        raise ValueError(f"a scored sequence of {longest} tokens exceeds the reference engine's {lean.max_model_len}")
+    return lean
 
 
 def widened(model: LoadedModel) -> LoadedModel:

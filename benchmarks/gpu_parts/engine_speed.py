@@ -1,6 +1,6 @@
-"""The engine's decode speed, by benchmarks/kernels.py --engine: a Llama-3.1-8B-shaped random bf16 model in two engine
+"""The engine's decode speed, by benchmarks/engine_bench.py: a Llama-3.1-8B-shaped random bf16 model in two engine
 processes (pallas and xla attention), batch-1 decode against the HBM roofline and steady throughput at larger
-batches. Two rooflines: kernels.py's (weights plus every layer's KV pages read per step, over the copy bandwidth
+batches. Two rooflines: engine_bench.py's (weights plus every layer's KV pages read per step, over the copy bandwidth
 measured in the engine's process) and the weights-only one (weight bytes / copy bandwidth) that published batch-1
 figures quote."""
 
@@ -15,7 +15,7 @@ HOST_PHASES = ("schedule", "dispatch", "wait", "outputs")  # StepPhaseTimes' pha
 
 
 def run(context: PartContext, args: list[str]) -> PartOutcome:
-    report = run_benchmark_script("kernels.py", args, context.work_dir / "engine.json")
+    report = run_benchmark_script("engine_bench.py", args, context.work_dir / "engine.json")
     engine = report["engine"]
     rows = speed_rows(engine)
     if context.plot is not None and rows:
@@ -27,7 +27,7 @@ def run(context: PartContext, args: list[str]) -> PartOutcome:
 
 
 def speed_rows(engine: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per batch and engine variant: median step time, tokens/s and share of kernels.py's roofline."""
+    """Per batch and engine variant: median step time, tokens/s and share of engine_bench.py's roofline."""
     return [{"batch": int(batch), "backend": name, **row[name]}
             for batch, row in engine.get("summary", {}).items() for name in engine["settings"]["variants"]
             if name in row]

@@ -21,8 +21,8 @@ PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12
             "orbax-checkpoint", "numpy", "ml-dtypes", "sentencepiece", "tokenizers", "safetensors", "jinja2", "pyyaml",
             "tqdm", "quart", "hypercorn", "pydantic", "prometheus-client", "httpx", "matplotlib")
 # The server (quart, hypercorn, pydantic, prometheus-client), the kernels, the load generator and the plots.
-MODULES = ("jaxserve.server.serve", "jaxserve.entrypoints.llm", "kernels_pallas", "kernels", "startup", "serve",
-           "serve_overhead", "speculative", "lora", "lora_kernels", "host_overhead", "matplotlib.pyplot")
+MODULES = ("jaxserve.server.serve", "jaxserve.entrypoints.llm", "kernels_pallas", "kernels", "engine_bench", "startup",
+           "serve", "serve_overhead", "speculative", "lora", "lora_kernels", "host_overhead", "matplotlib.pyplot")
 NVIDIA_SMI_FIELDS = ("name", "driver_version", "memory.total", "clocks.max.sm", "clocks.max.memory", "power.limit",
                      "pci.bus_id")
 NVIDIA_SMI_TIMEOUT_S = 30

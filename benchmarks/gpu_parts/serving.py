@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine_bench import ENGINE_INIT_STD
 from gpu_parts.context import REPO, PartContext, PartOutcome, markdown_table, run_benchmark_script
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR
 from jaxserve.checkpoint.safetensors_writer import save_random_llama
-from kernels import ENGINE_INIT_STD
 from model_shapes import model_config
 
 PERCENTILES = "50,95,99"

@@ -92,12 +92,25 @@ def check_workspace_plan(planned_bytes: int, workspaces: dict[str, int]) -> None
     instead, naming the program. A workspace that grows with the pool means XLA copies (part of) the pool."""
     if not workspaces:
         return
-    name, largest = max(workspaces.items(), key=lambda item: item[1])
+    name, largest = largest_workspace(workspaces)
     if largest > planned_bytes * (1 + WORKSPACE_SLACK_SHARE) + WORKSPACE_SLACK_BYTES:
         raise ConfigError(f"the {name} program needs {_gib(largest)} of workspace at this pool size, more than the "
                           f"{_gib(planned_bytes)} the KV cache's sizing left for it (a copy of the pool inside it): "
                           "set the cache's size instead (--kv-cache-memory-gb, or a lower --gpu-memory-utilization) "
                           "and report the program")
+
+
+def largest_workspace(workspaces: dict[str, int]) -> tuple[str, int]:
+    """The program needing the most temporary memory, and how much."""
+    return max(workspaces.items(), key=lambda item: item[1])
+
+
+def workspace_summary(workspaces: dict[str, int]) -> str:
+    """One line for operators: the largest program's workspace, what the device must hold beside weights and pool."""
+    if not workspaces:
+        return "no step programs compiled"
+    name, largest = largest_workspace(workspaces)
+    return f"largest workspace of {len(workspaces)} programs: {largest / 2**20:.1f} MiB ({name})"
 
 
 def _check_one_sequence_fits(pages: int, per_page: int, page_size: int, max_model_len: int) -> None:

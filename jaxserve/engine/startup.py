@@ -21,7 +21,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.device_memory import allocator_fraction
 from jaxserve.errors import ConfigError
 from jaxserve.engine.kv_sizing import (bytes_per_page, check_workspace_plan, device_memory_stats,
-                                      resolve_num_pages)
+                                      resolve_num_pages, workspace_summary)
 from jaxserve.model.kv_quantization import is_float8, kv_pool_dtype
 from jaxserve.parallel.process_group import smallest_across_processes
 from jaxserve.runner.lockstep import spans_processes
@@ -67,8 +67,10 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress:
         pages, workspace = _pool_pages(model, config, runner, stats, pending_bytes, draft)
         config = config.with_pool(pages)
         runner.warm_up(config.num_kv_pages, progress)
+        workspaces = runner.compiled_workspaces()
+        log.info("%s", workspace_summary(workspaces))
         if stats is not None:  # a pool sized from memory leaves the steps only the workspace it measured
-            check_workspace_plan(workspace, runner.compiled_workspaces())
+            check_workspace_plan(workspace, workspaces)
         draft_runner = _start_draft(draft, config, progress) if draft is not None else None
         load_seconds = 0.0
         if loading is not None:

@@ -10,9 +10,10 @@ Offline use mirrors vLLM::
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured_outputs import StructuredOutputsParams
+from jaxserve.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name: str):

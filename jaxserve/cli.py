@@ -18,6 +18,7 @@ from jaxserve.errors import ConfigError, JaxserveError
 from jaxserve.config import FIELD_NAMES, EngineConfig, flag_fields, flag_type, load_config
 
 DEMO_PROMPT = "The capital of France is"
+TOOL_CALL_PARSERS = ("llama3_json",)  # vLLM's names of the tool-call readers this server has
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ def _build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text offline and print it", allow_abbrev=False)
     _add_engine_flags(generate)
     generate.add_argument("--prompt", action="append", help="a prompt (repeat for several); default: a demo prompt")
-    generate.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
+    generate.add_argument("--chat", action="store_true",
+                          help="send each prompt as a user message through the chat template")
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
@@ -116,6 +118,12 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
                         help="LoRA adapters served from the start, each name=path or JSON {\"name\": ..., "
                         "\"path\": ...}; requests name one as their model (needs --enable-lora)")
+    # vLLM needs these two for tool_choice "auto"; here it is always on, and Llama 3's JSON calls are what is read.
+    # Taken so that a vLLM command line runs unchanged; a parser this server does not have is an error.
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's switch for tool_choice auto, which is always on here")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                        help="how tool calls are read from answers: Llama 3's JSON form (vLLM's llama3_json)")
     parser.add_argument("--allow-unknown-fields", action="store_true",
                         help="drop request fields this server does not declare instead of answering 400 (for "
                         "clients that send extras); declared but unimplemented fields are still refused")

@@ -86,6 +86,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this (constrained decoding)
+    # vLLM <= 0.10's name for structured_outputs (a GuidedDecodingParams there), keyword only; moved into
+    # structured_outputs on creation, so it always reads None.
+    guided_decoding: StructuredOutputsParams | None = dataclasses.field(default=None, kw_only=True)
     # Scheduling priority, lower served earlier (vLLM's convention); other than 0 only under --scheduling-policy
     # priority. vLLM passes it beside the params; it rides here because every way in (HTTP, run-batch, offline)
     # already hands the engine one SamplingParams per request, and `priority=` keywords set it (`with_priority`).
@@ -98,6 +101,13 @@ class SamplingParams:
         bias = self.logit_bias
         bias = bias.items() if isinstance(bias, dict) else _as_tuple(bias, "logit_bias")
         object.__setattr__(self, "logit_bias", tuple(_as_bias_entry(entry) for entry in bias))
+        if self.guided_decoding is not None:
+            _require(self.structured_outputs is None, "guided_decoding", "guided_decoding is vLLM's older name for "
+                     "structured_outputs: give one of them, not both")
+            _require(isinstance(self.guided_decoding, StructuredOutputsParams), "guided_decoding",
+                     "guided_decoding must be a GuidedDecodingParams")
+            object.__setattr__(self, "structured_outputs", self.guided_decoding)
+            object.__setattr__(self, "guided_decoding", None)
         self._validate()
 
     def _validate(self) -> None:

@@ -65,6 +65,15 @@ def test_process_group_flags_default_to_the_environment(monkeypatch):
     assert _process_group(_build_parser().parse_args(["serve", "--process-id", "0"])).is_leader
 
 
+def test_vllms_tool_calling_flags_are_taken_and_an_unknown_parser_is_refused():
+    from jaxserve.cli import _build_parser
+
+    args = _build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
+    result = _jaxserve("serve", "--tool-call-parser", "hermes")
+    assert result.returncode == 2 and "argument --tool-call-parser: invalid choice: 'hermes'" in result.stderr
+
+
 def test_flags_override_the_preset():
     config = load_config(REPO / "configs/tiny-cpu.yaml", {"max_num_seqs": 3, "dtype": None})
     assert config.max_num_seqs == 3 and config.dtype == "float32" and config.model is None

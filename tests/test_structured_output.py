@@ -2,6 +2,7 @@
 oracle for JSON Schema), the on-device mask agrees with llguidance's own numpy mask, rows without a constraint are
 untouched beside constrained ones, nothing compiles after warm-up, and bad constraints are refused by name."""
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -99,7 +100,7 @@ def test_the_device_mask_agrees_with_llguidances_numpy_mask():
 
 @pytest.mark.parametrize("constraint, fault", [
     (StructuredOutputsParams(regex="a(b"), "unclosed group"),
-    (StructuredOutputsParams(json={"type": "frob"}), "frob"),
+    (StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}), "Unsatisfiable"),
     (StructuredOutputsParams(grammar="start: foo"), "unknown name"),
 ], ids=["regex", "json schema", "grammar"])
 def test_an_invalid_constraint_is_refused_and_changes_nothing(tiny_llm, constraint, fault):
@@ -147,6 +148,54 @@ def test_a_grammar_compiled_too_slowly_is_refused_and_the_next_request_is_not_he
     assert refused.value.param == "structured_outputs"
     compiler.check(StructuredOutputsParams(regex="fast"))  # the other compile thread is free
     release.set()
+
+
+def test_the_server_waits_for_grammars_on_its_event_loop_not_on_its_threads(tiny_llm, monkeypatch):
+    """Slow grammars, more of them than request threads and compile threads, hold no thread a plain request needs:
+    /tokenize answers while all of them still compile; each then fails by itself, naming its field, and one past
+    the time limit is refused as too slow."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import WORKER_THREADS, ServerContext, create_app
+    from jaxserve.server.config import ServerConfig
+
+    grammars = tiny_llm.engine.grammars
+    release, never = threading.Event(), threading.Event()
+    monkeypatch.setattr(grammars, "compile_timeout_s", 30.0)
+
+    def slow_grammar(constraint):
+        (never if "never" in constraint.regex else release).wait()
+        raise InvalidRequestError("not a grammar after all", param="structured_outputs")
+
+    context = ServerContext(engine=AsyncEngine(tiny_llm.engine), tokenizer=tiny_llm.tokenizer, config=ServerConfig(),
+                            max_model_len=tiny_llm.max_model_len, vocab_size=tiny_llm.model.config.vocab_size)
+    client = create_app(context).test_client()
+    tag = f"{id(client)}"  # regexes of their own: the engine's compile cache outlives this test
+
+    def constrained(index):
+        return client.post("/v1/chat/completions", json={
+            "model": "jaxserve-builtin", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "guided_regex": f"slow-{tag}-{index}"})
+
+    async def run():
+        slow = [asyncio.ensure_future(constrained(index)) for index in range(WORKER_THREADS + 2)]
+        tokenized = await client.post("/tokenize", json={"model": "jaxserve-builtin", "prompt": "Hello"})
+        pending = sum(not request.done() for request in slow)
+        release.set()
+        answers = [await (await request).get_json() for request in slow]
+        monkeypatch.setattr(grammars, "compile_timeout_s", 0.2)
+        too_slow = await (await constrained(f"never-{tag}")).get_json()
+        never.set()
+        with pytest.raises(InvalidRequestError, match="not a grammar"):  # its compile thread is free again
+            await grammars.compiled(StructuredOutputsParams(regex=f"slow-{tag}-never-{tag}"))
+        return tokenized.status_code, pending, answers, too_slow
+
+    with mock.patch("jaxserve.engine.structured_output._grammar_text", side_effect=slow_grammar):
+        tokenized, pending, answers, too_slow = asyncio.run(run())
+    assert tokenized == 200 and pending == WORKER_THREADS + 2
+    assert all(answer["error"]["param"] == "guided_regex" and "not a grammar" in answer["error"]["message"]
+               for answer in answers)
+    assert too_slow["error"]["param"] == "guided_regex"
+    assert "did not compile within 0.2 s" in too_slow["error"]["message"]
 
 
 def test_a_sequence_starts_from_a_copy_of_the_compiled_matcher(tiny_llm):

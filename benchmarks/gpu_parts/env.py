@@ -19,10 +19,13 @@ from gpu_parts.context import PartContext, PartOutcome, markdown_table
 # What the report names versions of: JAX and its CUDA plugins, then what jaxserve and the benchmarks import.
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax",
             "orbax-checkpoint", "numpy", "ml-dtypes", "sentencepiece", "tokenizers", "safetensors", "jinja2", "pyyaml",
-            "tqdm", "quart", "hypercorn", "pydantic", "prometheus-client", "httpx", "matplotlib")
-# The server (quart, hypercorn, pydantic, prometheus-client), the kernels, the load generator and the plots.
+            "tqdm", "quart", "hypercorn", "pydantic", "prometheus-client", "llguidance", "jsonschema", "httpx",
+            "matplotlib")
+# The server (quart, hypercorn, pydantic, prometheus-client), the kernels, the load generator and the plots; jsonschema,
+# which structured output imports at its first JSON Schema.
 MODULES = ("jaxserve.server.serve", "jaxserve.entrypoints.llm", "kernels_pallas", "kernels", "engine_bench", "startup",
-           "serve", "serve_overhead", "speculative", "lora", "lora_kernels", "host_overhead", "matplotlib.pyplot")
+           "serve", "serve_overhead", "speculative", "lora", "lora_kernels", "host_overhead", "structured_output",
+           "jsonschema", "matplotlib.pyplot")
 NVIDIA_SMI_FIELDS = ("name", "driver_version", "memory.total", "clocks.max.sm", "clocks.max.memory", "power.limit",
                      "pci.bus_id")
 NVIDIA_SMI_TIMEOUT_S = 30

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.scheduler_stats import SchedulerStats
+from jaxserve.engine.structured_output import CompiledGrammar
 from jaxserve.errors import EngineDeadError, EngineStepError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, RequestOutput
@@ -38,6 +39,7 @@ class _Add:
     params: SamplingParams  # how to sample
     prompt: str | None  # prompt text, when the request gave text
     lora_request: LoRARequest | None  # its LoRA adapter; None: the base model
+    grammar: CompiledGrammar | None  # params.structured_outputs compiled on the event loop; None without one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +114,14 @@ class AsyncEngine:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already live")
+        # Compiled (or found in the cache) here, awaited on the loop: the engine thread never waits for a grammar.
+        constraint = params.structured_outputs
+        grammar = await self.engine.grammars.compiled(constraint) if constraint is not None else None
         events: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = events
         self._idle.clear()
         self._commands.put(_Add(request_id, tuple(prompt_token_ids), params.with_priority(priority), prompt,
-                                lora_request))
+                                lora_request, grammar))
         try:
             while True:
                 event = await events.get()
@@ -192,7 +197,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                         prompt=command.prompt, stream=True, lora_request=command.lora_request,
-                                        load_lora=False)
+                                        load_lora=False, grammar=command.grammar)
             except Exception as e:  # refused (InvalidRequestError) or broken: only this request hears of it
                 self._call_on_loop(self._deliver, [(command.request_id, e)])
         elif isinstance(command, _Abort):

@@ -36,7 +36,7 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.draft_model import DraftModelProposer, plan_draft_model
 from jaxserve.engine.startup import start_runner
 from jaxserve.engine.step_phases import StepPhaseTimes
-from jaxserve.engine.structured_output import GrammarCompiler
+from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.errors import InvalidRequestError, ModelNotFoundError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
@@ -121,14 +121,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
                     prompt: str | None = None, stream: bool = False, priority: int | None = None,
-                    lora_request: LoRARequest | None = None, load_lora: bool = True) -> None:
+                    lora_request: LoRARequest | None = None, load_lora: bool = True,
+                    grammar: CompiledGrammar | None = None) -> None:
         """Queues a prompt for `params.n` continuations; raises InvalidRequestError (changing nothing) if it cannot run.
 
         With `stream`, every token the request's continuations gain is also reported through `pop_deltas`.
         `priority` (vLLM's keyword; None: `params.priority`) orders it under the priority scheduling policy.
         `lora_request`: the LoRA adapter to run with; with `load_lora` (the offline API) it is added first if it is
         not served (LoraAdapterError if it cannot serve), without it (the server, which resolved the name earlier)
-        an adapter no longer served is refused (ModelNotFoundError).
+        an adapter no longer served is refused (ModelNotFoundError). `grammar`: `params.structured_outputs` compiled
+        already (the server awaits it on its event loop); without it the constraint is compiled here, or found in the
+        cache.
         """
         params = params.with_priority(priority)
         if request_id in self._tracked:
@@ -143,7 +146,11 @@ class LLMEngine:
         tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
                            prompt_logprobs={}, stream=stream)
         constraint = params.structured_outputs
-        grammars = [self.grammars.matcher(constraint) if constraint else None for _ in children]  # may refuse
+        if grammar is not None and grammar.constraint != constraint:
+            raise ValueError("the compiled grammar given is not the request's structured_outputs")
+        if constraint is not None and grammar is None:
+            grammar = self.grammars.check(constraint)  # may refuse
+        grammars = [grammar.matcher() if grammar is not None else None for _ in children]
         for index, child in enumerate(children):
             self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new,
                                                # As vLLM: continuation i draws with seed + i.

@@ -13,6 +13,7 @@ drawn); rows without a constraint are all ones, so the compiled programs are the
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import json
@@ -57,13 +58,27 @@ class GrammarMatcher:
         return self._matcher.is_stopped() or self._matcher.is_error()
 
 
-class GrammarCompiler:
-    """Compiles constraints for a tokenizer, each once (a cache keyed by the constraint), and hands out matchers:
-    copies of the compiled one, so starting a sequence costs microseconds on the engine thread whatever the grammar.
+class CompiledGrammar:
+    """A constraint compiled for the engine's tokenizer: the matcher at the start of its grammar, which every
+    sequence constrained by it copies."""
 
-    Compiling runs on the compiler's own threads (llguidance releases the GIL) with a wall-clock limit: a grammar
-    that takes longer is refused, and the caller (a server request thread) never waits longer than that. Safe to
-    call from several threads.
+    def __init__(self, constraint: StructuredOutputsParams, pristine: llguidance.LLMatcher, vocab_size: int):
+        self.constraint = constraint  # what was compiled
+        self._pristine = pristine
+        self._vocab_size = vocab_size
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar (a copy: microseconds, whatever the grammar)."""
+        return GrammarMatcher(self._pristine.deep_copy(), self._vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles constraints for a tokenizer, each once (a cache keyed by the constraint), on the compiler's own
+    threads (llguidance releases the GIL), each under a wall-clock limit: a grammar that takes longer is refused.
+
+    Two ways to wait: `check` blocks the calling thread (offline use), `compiled` awaits on the event loop (the
+    server: no thread is held while a grammar compiles, so slow grammars delay only their own requests). Safe to call
+    from several threads.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, compile_timeout_s: float):
@@ -72,36 +87,58 @@ class GrammarCompiler:
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size)
         self._lock = threading.Lock()  # guards the cache
         self._compiled: collections.OrderedDict[StructuredOutputsParams, concurrent.futures.Future] = (
-            collections.OrderedDict())  # constraint -> its compile (pristine matcher), least recently used first
+            collections.OrderedDict())  # constraint -> its compile (a CompiledGrammar), least recently used first
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
-    def check(self, constraint: StructuredOutputsParams) -> None:
-        """InvalidRequestError (param: structured_outputs) if the constraint cannot be compiled, or not in time."""
-        self._pristine(constraint)
+    def check(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled constraint, waited for on this thread; InvalidRequestError (param: structured_outputs) if it
+        cannot be compiled, or not in time."""
+        try:
+            return self.compile(constraint).result(timeout=self.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise self._too_slow(constraint) from None
+
+    async def compiled(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
+        """`check` awaited on the running event loop instead of blocking a thread."""
+        compiling = asyncio.wrap_future(self.compile(constraint))
+        compiling.add_done_callback(_read_outcome)
+        try:
+            # Shielded: a waiter that gives up must not cancel the compile other requests share through the cache.
+            return await asyncio.wait_for(asyncio.shield(compiling), self.compile_timeout_s)
+        except TimeoutError:
+            raise self._too_slow(constraint) from None
 
     def matcher(self, constraint: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher at the start of the constraint's grammar."""
-        return GrammarMatcher(self._pristine(constraint).deep_copy(), self.vocab_size)
+        """A fresh matcher at the start of the constraint's grammar (compiled first if it is not cached)."""
+        return self.check(constraint).matcher()
 
-    def _pristine(self, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
+    def compile(self, constraint: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The constraint's compile (a Future of its CompiledGrammar), started unless cached."""
         with self._lock:
             compiled = self._compiled.get(constraint)
             if compiled is None:
-                compiled = self._pool.submit(_compile, self._tokenizer, constraint)
+                compiled = self._pool.submit(_compile, self._tokenizer, constraint, self.vocab_size)
                 self._compiled[constraint] = compiled
                 if len(self._compiled) > GRAMMAR_CACHE_SIZE:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(constraint)
-        try:
-            return compiled.result(timeout=self.compile_timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise InvalidRequestError(f"the {constraint.kind} constraint did not compile within "
-                                      f"{self.compile_timeout_s:g} s", param=PARAM) from None
+        return compiled
+
+    def _too_slow(self, constraint: StructuredOutputsParams) -> InvalidRequestError:
+        return InvalidRequestError(f"the {constraint.kind} constraint did not compile within "
+                                   f"{self.compile_timeout_s:g} s", param=PARAM)
 
 
-def _compile(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputsParams) -> llguidance.LLMatcher:
-    """The constraint's matcher at the start of its grammar; InvalidRequestError if it does not compile (the error is
-    kept with the cached compile, so the same bad constraint is refused at once the next time)."""
+def _read_outcome(compiling: asyncio.Future) -> None:
+    """Marks a compile's failure as seen: after a waiter gave up on it, nobody else reads it (asyncio would log it)."""
+    if not compiling.cancelled():
+        compiling.exception()
+
+
+def _compile(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputsParams, vocab_size: int
+             ) -> CompiledGrammar:
+    """The constraint compiled; InvalidRequestError if it does not compile (the error is kept with the cached
+    compile, so the same bad constraint is refused at once the next time)."""
     grammar = _grammar_text(constraint)
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
@@ -110,7 +147,7 @@ def _compile(tokenizer: llguidance.LLTokenizer, constraint: StructuredOutputsPar
     if matcher.is_error():
         raise InvalidRequestError(f"the {constraint.kind} constraint cannot be used: {matcher.get_error()}",
                                   param=PARAM)
-    return matcher
+    return CompiledGrammar(constraint, matcher, vocab_size)
 
 
 def _grammar_text(constraint: StructuredOutputsParams) -> str:

@@ -15,12 +15,13 @@ from typing import Any
 
 from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.engine.scheduler import check_priority
+from jaxserve.entrypoints.constraint_checks import check_constraints, output_constraint_checks, tool_schema_checks
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.entrypoints.openai_body import (chat_completion_body, check_output_constraint, completion_body,
-                                              default_max_tokens, error_body, sampling_params_from_body)
+from jaxserve.entrypoints.openai_body import (chat_completion_body, completion_body, default_max_tokens, error_body,
+                                              sampling_params_from_body)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, completion_prompt, is_prompt_list
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body
-from jaxserve.entrypoints.tool_calls import ToolCalling, checked_tool_calling
+from jaxserve.entrypoints.tool_calls import ToolCalling, tool_calling_from_body
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -81,14 +82,15 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
             if body.get(unanswerable):
                 raise InvalidRequestError(f"{unanswerable} is not supported by run-batch, which writes each whole "
                                           "response as one line", param=unanswerable)
-        tool_calling = checked_tool_calling(body, llm.engine.grammars) if chat else None
+        tool_calling = tool_calling_from_body(body) if chat else None
+        check_constraints(tool_schema_checks(tool_calling), llm.engine.grammars)
         prompt = (chat_prompt(llm.tokenizer, body["messages"], body.get("add_generation_prompt", True),
                               tools=tool_calling.tools if tool_calling is not None else None) if chat
                   else _completion_prompt(llm, body))
         check_prompt_tokens(prompt.token_ids, vocab_size=llm.model.config.vocab_size, max_model_len=llm.max_model_len)
         params = sampling_params_from_body(body, chat, default_max_tokens=default_max_tokens(
             chat, len(prompt.token_ids), llm.max_model_len), tool_calling=tool_calling)
-        check_output_constraint(params, body, llm.engine.grammars, tool_calling)
+        check_constraints(output_constraint_checks(params, body, tool_calling), llm.engine.grammars)
         # Here, not in the engine, so that a priority the policy refuses fails this line only.
         check_priority(params.priority, llm.config.scheduling_policy)
         return BatchItem(custom_id, chat, prompt, params, None, tool_calling)

@@ -120,6 +120,9 @@ class LLM:
             check_prompt_tokens(prompt.token_ids, vocab_size=self.model.config.vocab_size,
                                 max_model_len=self.max_model_len)
         ids = [str(next(self._request_ids)) for _ in prompts]
+        for p in params:  # every distinct constraint starts compiling now, side by side; add_request waits for each
+            if p.structured_outputs is not None:
+                self.engine.grammars.compile(p.structured_outputs)
         try:
             for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
                 self.engine.add_request(request_id, prompt.token_ids, p, prompt=prompt.text, lora_request=lora)

@@ -90,18 +90,6 @@ def structured_outputs_from_body(body: dict[str, Any], tool_calling: ToolCalling
         raise InvalidRequestError(str(error), param=field) from None
 
 
-def check_output_constraint(params: SamplingParams, body: dict[str, Any], grammars: Any,
-                            tool_calling: ToolCalling | None = None) -> None:
-    """The request's output constraint compiled by `grammars` (the engine's GrammarCompiler) before the request
-    reaches the engine, so an invalid schema, regex or grammar is a 400 naming the field that gave it."""
-    if params.structured_outputs is None:
-        return
-    try:
-        grammars.check(params.structured_outputs)
-    except InvalidRequestError as error:
-        raise InvalidRequestError(str(error), param=structured_outputs_from_body(body, tool_calling)[1]) from None
-
-
 def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:
     """OpenAI's response_format as StructuredOutputsParams keywords (None for plain text)."""
     kind = response_format.get("type")

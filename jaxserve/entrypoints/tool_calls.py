@@ -291,22 +291,3 @@ def delta_tool_calls(events: Iterable[ParsedEvent]) -> list[dict[str, Any]]:
             entry = entries.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
             entry["function"]["arguments"] += event.text
     return list(entries.values())
-
-
-def checked_tool_calling(fields: dict[str, Any], grammars: Any) -> ToolCalling | None:
-    """`tool_calling_from_body`, with every tool's arguments schema compiled by `grammars` (the engine's
-    GrammarCompiler, or anything with its `check`), so a schema the grammar engine cannot use is a 400 naming the
-    tool before the conversation is rendered."""
-    calling = tool_calling_from_body(fields)
-    if calling is not None:
-        _check_tool_schemas(calling, grammars)
-    return calling
-
-
-def _check_tool_schemas(calling: ToolCalling, grammars: Any) -> None:
-    for index, schema in calling.parameter_schemas():
-        try:
-            grammars.check(StructuredOutputsParams(json=schema))
-        except InvalidRequestError as error:
-            raise InvalidRequestError(f"tools[{index}].function.parameters is not a usable JSON Schema: {error}",
-                                      param="tools") from None

@@ -12,13 +12,15 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from jaxserve.engine.prompt_checks import check_room_to_generate
+from jaxserve.entrypoints.constraint_checks import (ConstraintCheck, await_constraints, output_constraint_checks,
+                                                    tool_schema_checks)
 from jaxserve.entrypoints.openai_body import (chat_completion_body, chat_completion_chunk, chat_logprobs,
                                               default_max_tokens, sampling_params_from_body, tool_finish_reason, usage,
                                               usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, parse_body
-from jaxserve.entrypoints.tool_calls import (ContentText, ToolCalling, ToolCallParser, checked_tool_calling,
-                                             delta_tool_calls)
+from jaxserve.entrypoints.tool_calls import (ContentText, ToolCalling, ToolCallParser, delta_tool_calls,
+                                             tool_calling_from_body)
 from jaxserve.entrypoints.protocol_responses import ChatCompletionChunk, ChatCompletionResponse
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -27,7 +29,7 @@ from jaxserve.server.api_errors import streamed_response
 from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.quotas import TokenTally
-from jaxserve.server.request_fields import check_constraint, check_limits, conversation_prompt, flag, include_usage
+from jaxserve.server.request_fields import check_limits, conversation_prompt, flag, include_usage
 from jaxserve.server.served_models import ServedModel
 from jaxserve.server.streams import final_outputs, merged_events
 from jaxserve.tokenizer import Tokenizer
@@ -45,6 +47,7 @@ class ChatRequest:
     include_usage: bool  # streaming: a last event with the usage
     tool_calling: ToolCalling | None  # the tools offered and how they may be called; None without tools
     model: ServedModel  # the base model or the LoRA adapter it runs with
+    constraints: tuple[ConstraintCheck, ...]  # output constraints and tool schemas to compile before it runs
 
     @property
     def reads_calls(self) -> bool:
@@ -58,6 +61,7 @@ class ChatRequest:
 async def create_chat_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_chat_request, await request_bytes(), context)
+    await await_constraints(request.constraints, context.engine.engine.grammars)
     tally = admit(context, request.params.n, len(request.prompt.token_ids), request.params.max_tokens)
     model = request.model.name
     if request.stream:
@@ -73,22 +77,23 @@ async def create_chat_completion() -> Response:
 
 def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
     """The body checked against its schema, the conversation rendered, tokenized and checked, its sampling settings
-    built (on a worker thread)."""
+    built and its constraints gathered (on a worker thread; they compile later, awaited on the event loop)."""
     body = parse_body(ChatCompletionRequestBody, raw, context.config.allow_unknown_fields,
                       context.max_model_len)
     model = resolve_model(body.model, context)
     fields = body.model_dump(exclude_none=True)
-    tool_calling = checked_tool_calling(fields, context.engine.engine.grammars)
+    tool_calling = tool_calling_from_body(fields)
+    tool_checks = tool_schema_checks(tool_calling)
     prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
                                  tools=tool_calling.tools if tool_calling is not None else None)
     params = sampling_params_from_body(fields, chat=True, default_max_tokens=default_max_tokens(
         True, len(prompt.token_ids), context.max_model_len), tool_calling=tool_calling)
     check_limits(params, 1, context.config)
-    check_constraint(params, fields, context, tool_calling)
     asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if getattr(body, asked) is not None:
         check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, asked)
-    return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields), tool_calling, model)
+    return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields), tool_calling, model,
+                       (*tool_checks, *output_constraint_checks(params, fields, tool_calling)))
 
 
 async def _chat_chunks(context: ServerContext, request: ChatRequest, tally: TokenTally, chunk_id: str, created: int,

@@ -12,6 +12,7 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from jaxserve.engine.prompt_checks import check_prompt_tokens, check_room_to_generate
+from jaxserve.entrypoints.constraint_checks import ConstraintCheck, await_constraints, output_constraint_checks
 from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk,
                                               completion_logprobs, sampling_params_from_body, usage, usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, completion_prompts, is_prompt_list
@@ -24,7 +25,7 @@ from jaxserve.server.api_errors import ApiError, streamed_response
 from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.quotas import TokenTally
-from jaxserve.server.request_fields import check_constraint, check_limits, flag, include_usage
+from jaxserve.server.request_fields import check_limits, flag, include_usage
 from jaxserve.server.served_models import ServedModel
 from jaxserve.server.streams import final_outputs, merged_events
 
@@ -42,6 +43,7 @@ class CompletionRequest:
     stream: bool  # answer as server-sent events
     include_usage: bool  # streaming: a last event with the usage
     model: ServedModel  # the base model or the LoRA adapter it runs with
+    constraints: tuple[ConstraintCheck, ...]  # its output constraint, to compile before it runs
 
 
 @blueprint.post("/v1/completions")
@@ -49,6 +51,7 @@ class CompletionRequest:
 async def create_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_completion_request, await request_bytes(), context)
+    await await_constraints(request.constraints, context.engine.engine.grammars)
     tally = admit(context, len(request.prompts) * request.params.n,
                   sum(len(prompt.token_ids) for prompt in request.prompts), request.params.max_tokens)
     model = request.model.name
@@ -78,11 +81,11 @@ def parse_completion_request(raw: bytes, context: ServerContext) -> CompletionRe
             raise ApiError(400, "echo with logprobs is not supported when streaming", param="echo")
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     check_limits(params, len(prompts), context.config)
-    check_constraint(params, fields, context)
     if not prompt_only:
         for prompt in prompts:
             check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, "max_tokens")
-    return CompletionRequest(prompts, params, echo, prompt_only, stream, include_usage(fields), model)
+    return CompletionRequest(prompts, params, echo, prompt_only, stream, include_usage(fields), model,
+                             tuple(output_constraint_checks(params, fields)))
 
 
 def _prompts(prompt: Any, context: ServerContext, add_special_tokens: bool) -> list[TokenizedPrompt]:

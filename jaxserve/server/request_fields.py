@@ -1,5 +1,4 @@
-"""Checks of OpenAI request fields shared by the endpoints: typed flags, stream options, limits, output
-constraints, conversations."""
+"""Checks of OpenAI request fields shared by the endpoints: typed flags, stream options, limits, conversations."""
 
 from __future__ import annotations
 
@@ -8,9 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.prompt_checks import check_prompt_tokens
-from jaxserve.entrypoints.openai_body import check_output_constraint
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
-from jaxserve.entrypoints.tool_calls import ToolCalling
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.api_errors import ApiError
 from jaxserve.server.app import ServerContext
@@ -46,14 +43,6 @@ def check_limits(params: SamplingParams, num_prompts: int, config: ServerConfig)
         raise ApiError(400, f"n must be at most {config.max_n}, got {params.n}", param="n")
     if num_prompts > config.max_prompts:
         raise ApiError(400, f"at most {config.max_prompts} prompts per request, got {num_prompts}", param="prompt")
-
-
-def check_constraint(params: SamplingParams, fields: dict[str, Any], context: ServerContext,
-                     tool_calling: ToolCalling | None = None) -> None:
-    """The request's output constraint compiled (or found in the cache) by the engine's grammar compiler, on this
-    worker thread: what cannot compile is a 400 that never reaches the engine."""
-    check_output_constraint(params, fields, context.engine.engine.grammars, tool_calling)
-
 
 
 def conversation_prompt(messages: list[dict[str, Any]], context: ServerContext, add_generation_prompt: bool,

@@ -7,7 +7,7 @@ the scheduler is driven with fake sampled tokens (`update_from_output`) until ev
 Then `--cycles` cycles are timed phase by phase, each phase being what the engine does per step:
 
     schedule   Scheduler.schedule(): one decode token (and its SamplingRow) per running request
-    prepare    ModelRunner.prepare(schedule): bucket choice and padded numpy inputs (block tables, slots, ...)
+    prepare    StepInputBuilder.prepare(schedule): bucket choice and padded numpy inputs (block tables, slots, ...)
     transfer   ModelRunner.transfer: those inputs packed into one buffer and put on the device, as the runner does
                before launching the step (the call's cost to the host; on a GPU the copy itself is asynchronous)
     update     Scheduler.update_from_output() with a fake sampled token per sequence
@@ -161,7 +161,7 @@ def timed_cycle(bench: HostBench, times: dict[str, list[float]]) -> None:
     t0 = clock()
     schedule = bench.scheduler.schedule()
     t1 = clock()
-    bucket, host_arrays = bench.runner.prepare(schedule)
+    bucket, host_arrays = bench.runner.inputs.prepare(schedule)
     t2 = clock()
     bench.runner.transfer(bucket, host_arrays)
     t3 = clock()

@@ -17,7 +17,7 @@ def _step(runner, params: SamplingParams, prompt_logprobs: bool = False):
     chunks = (ScheduledSequence("a", (5, 6, 7), 0, (1,), samples=True, wants_prompt_logits=prompt_logprobs,
                                 sampling=rows[0]),
               ScheduledSequence("b", (9,), 4, (2,), samples=True, wants_prompt_logits=False, sampling=rows[1]))
-    return runner.prepare(SchedulerOutput(step=0, sequences=chunks, num_batched_tokens=4))
+    return runner.inputs.prepare(SchedulerOutput(step=0, sequences=chunks, num_batched_tokens=4))
 
 
 def _as_follower(channel: StepChannel, message: np.ndarray):
@@ -33,7 +33,7 @@ def _as_follower(channel: StepChannel, message: np.ndarray):
 ])
 def test_a_step_unpacks_to_the_arrays_the_leader_packed(tiny_llm, params, prompt_logprobs):
     runner = tiny_llm.engine.runner
-    channel = StepChannel(runner.buckets.all_buckets(), runner._padding_arrays)
+    channel = StepChannel(runner.buckets.all_buckets(), runner.inputs.padding_arrays)
     bucket, arrays = _step(runner, params, prompt_logprobs)
     message = channel._message(Command.STEP, channel._index[bucket], jax.tree.leaves(arrays))
     assert message.shape == (channel._width,) and message.dtype == np.uint8  # one shape for every bucket
@@ -47,5 +47,5 @@ def test_a_step_unpacks_to_the_arrays_the_leader_packed(tiny_llm, params, prompt
 
 def test_a_stop_message_ends_the_follow_loop(tiny_llm):
     runner = tiny_llm.engine.runner
-    channel = StepChannel(runner.buckets.all_buckets(), runner._padding_arrays)
+    channel = StepChannel(runner.buckets.all_buckets(), runner.inputs.padding_arrays)
     assert _as_follower(channel, channel._message(Command.STOP, 0, [])) is None

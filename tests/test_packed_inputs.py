@@ -27,9 +27,9 @@ def test_every_buckets_inputs_arrive_as_the_one_by_one_transfer_gives_them(tiny_
     rng = np.random.default_rng(0)
     buckets = runner.buckets.all_buckets()
     assert {np.dtype(leaf.dtype).name for bucket in buckets for leaf in PackedLayout.of(
-        runner._padding_arrays(bucket)).leaves} >= {"bool", "int32", "uint32", "float32"}
+        runner.inputs.padding_arrays(bucket)).leaves} >= {"bool", "int32", "uint32", "float32"}
     for bucket in buckets:
-        host = jax.tree.map(lambda x: _random_like(x, rng), runner._padding_arrays(bucket))
+        host = jax.tree.map(lambda x: _random_like(x, rng), runner.inputs.padding_arrays(bucket))
         layout = PackedLayout.of(host)
         packed = layout.pack(host)
         assert packed.dtype == np.int32 and packed.shape == (layout.size,)

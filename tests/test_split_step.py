@@ -34,7 +34,7 @@ def test_a_plain_step_in_two_programs_equals_the_one_program_reference(tiny_llm,
     vocab, width = runner.model_config.vocab_size, mask_width(runner.model_config.vocab_size)
     masks = {row: np.packbits(rng.random(width * 32) < 0.3, bitorder="little").view(np.int32) for row in masked_rows}
     schedule = _schedule(runner, tiny_llm.tokenizer.eos_token_ids, rng)
-    kept = (jax.tree.map(jnp.copy, runner.pool), runner._last_tokens, runner._last_rows)
+    kept = (jax.tree.map(jnp.copy, runner.pool), runner._last_tokens, runner.inputs.last_rows)
     reference_pool = jax.tree.map(jnp.copy, runner.pool)
     try:
         started = runner.start(schedule)
@@ -49,7 +49,7 @@ def test_a_plain_step_in_two_programs_equals_the_one_program_reference(tiny_llm,
                                       jax.device_put(allowed), None, layout=layout,
                                       num_top_logprobs=runner.config.max_logprobs)
     finally:
-        runner.pool, runner._last_tokens, runner._last_rows = kept
+        runner.pool, runner._last_tokens, runner.inputs.last_rows = kept
     one_program = jax.device_get(reference.sampled)
     rows = len(PARAMS)
     np.testing.assert_array_equal(split.token_ids, one_program.token_ids[:rows])

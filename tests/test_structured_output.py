@@ -208,7 +208,7 @@ def test_a_sequence_starts_from_a_copy_of_the_compiled_matcher(tiny_llm):
 def _step_events(monkeypatch, engine) -> list[tuple]:
     """Records, in order, each step's start (does it draw under a grammar), each read-back, and each finish (was
     its forward pass already running, did it bring masks)."""
-    from jaxserve.runner.model_runner import PendingStep
+    from jaxserve.runner.step_results import PendingStep
 
     events = []
     start, finish, fetch = engine.runner.start, engine.runner.finish, PendingStep.fetch

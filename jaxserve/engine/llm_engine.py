@@ -40,7 +40,7 @@ from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.errors import InvalidRequestError, ModelNotFoundError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
-from jaxserve.runner.model_runner import AcceptedDrafts, PendingStep, PromptScores, SampledBatch
+from jaxserve.runner.step_results import AcceptedDrafts, PendingStep, PromptScores, SampledBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.schedule import ScheduledSequence, SchedulerOutput
 from jaxserve.speculative_config import DRAFT_MODEL_METHOD

@@ -28,10 +28,8 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import os
 import time
-from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -51,86 +49,15 @@ from jaxserve.parallel.process_group import abort_group
 from jaxserve.runner.attention_check import checked_attention_backend
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
-from jaxserve.runner.input_rows import InputRows
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.lora_slots import DeviceLoraSlots
-from jaxserve.runner.paged_inputs import ChunkLayout, build_metadata
-from jaxserve.runner.sampler import SamplerOutput, build_sampling_tensors
-from jaxserve.runner.speculative import VerifiedDrafts, build_draft_arrays
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.step import (LogitsShardings, StepArrays, StepResult, run_packed_forward, run_packed_sampling,
                                   run_packed_step)
+from jaxserve.runner.step_inputs import StepInputBuilder
+from jaxserve.runner.step_results import PendingStep, prompt_spans
 from jaxserve.runner.token_masks import StepMasks
-from jaxserve.schedule import PENDING_TOKEN, ScheduledSequence, SchedulerOutput
-
-@dataclasses.dataclass(frozen=True)
-class PromptScores:
-    """The prompt tokens one chunk scores, each predicted by the token before it: entry j is at first_position + j."""
-
-    first_position: int  # prompt position of entry 0: the chunk's start_position + 1
-    token_ids: np.ndarray  # i32[n]: the scored prompt tokens
-    logprobs: np.ndarray  # f32[n]: of each scored token, from the raw logits
-    ranks: np.ndarray  # i32[n]
-    top_ids: np.ndarray  # i32[n, max_logprobs]
-    top_logprobs: np.ndarray  # f32[n, max_logprobs]
-
-
-@dataclasses.dataclass(frozen=True)
-class _PromptSpan:
-    """Where one chunk's scored prompt tokens sit in the flattened step."""
-
-    row: int  # the chunk's index in the step
-    first_token: int  # index in the step's T tokens of the chunk's first token
-    first_position: int  # prompt position it scores: the chunk's start_position + 1
-    count: int  # tokens scored: the chunk's tokens that have a following prompt token
-
-
-@dataclasses.dataclass(frozen=True)
-class AcceptedDrafts:
-    """One row's drafts that the target accepted, in order, each scored by the target."""
-
-    token_ids: np.ndarray  # i32[a]: the accepted drafts
-    logprobs: np.ndarray  # f32[a]: of each, from the raw logits
-    ranks: np.ndarray  # i32[a]
-    top_ids: np.ndarray  # i32[a, max_logprobs]
-    top_logprobs: np.ndarray  # f32[a, max_logprobs]
-
-
-@dataclasses.dataclass(frozen=True)
-class SampledBatch:
-    """A step's samples on the host, row i belonging to the i-th scheduled chunk."""
-
-    token_ids: np.ndarray  # i32[n]
-    logprobs: np.ndarray  # f32[n]: of the sampled tokens, from the raw logits
-    ranks: np.ndarray  # i32[n]
-    top_ids: np.ndarray  # i32[n, max_logprobs]
-    top_logprobs: np.ndarray  # f32[n, max_logprobs]
-    prompt_scores: dict[int, PromptScores] = dataclasses.field(default_factory=dict)  # row -> its prompt scores
-    # Row -> its accepted drafts, which come before its sampled token; rows that brought drafts only (even if none
-    # was accepted)
-    accepted_drafts: dict[int, AcceptedDrafts] = dataclasses.field(default_factory=dict)
-
-
-class PendingStep:
-    """A dispatched step; `fetch` waits for its samples and prompt scores (the only host sync of a step)."""
-
-    def __init__(self, result: StepResult, num_rows: int, prompt_spans: Sequence[_PromptSpan] = (),
-                 draft_rows: Sequence[int] = ()):
-        self._outputs = (result.sampled, result.prompt_scores, result.drafts)
-        self._num_rows = num_rows
-        self._prompt_spans = prompt_spans
-        self._draft_rows = draft_rows  # rows that brought drafts
-        for leaf in jax.tree.leaves(self._outputs):
-            leaf.copy_to_host_async()
-
-    def fetch(self) -> SampledBatch:
-        with jax.profiler.TraceAnnotation("read_back"):
-            host, prompt, drafts = jax.device_get(self._outputs)
-        n = self._num_rows
-        return SampledBatch(token_ids=host.token_ids[:n], logprobs=host.logprobs[:n], ranks=host.ranks[:n],
-                            top_ids=host.top_ids[:n], top_logprobs=host.top_logprobs[:n],
-                            prompt_scores={span.row: _span_scores(prompt, span) for span in self._prompt_spans},
-                            accepted_drafts={row: _accepted(drafts, row) for row in self._draft_rows})
+from jaxserve.schedule import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,20 +121,17 @@ class ModelRunner:
         self.num_speculative_tokens = (config.speculative_config.num_speculative_tokens
                                        if config.speculative_config is not None else 0)
         self.guard = CompileGuard(raise_on_compile=config.raise_on_compile)
-        self._history_width = 1 << (config.require("max_model_len") - 1).bit_length()
         self.pool: PagedKVCache | None = None  # allocated once sized: allocate_pool
         self._last_tokens = jax.device_put(np.zeros(self.buckets.max_rows, np.int32),
                                            self._replicated)  # i32[max_rows]
-        self._last_rows: dict[str, int] = {}  # request id -> its row in the previous step's samples
-        # Block tables and sampling settings of the sequences in recent steps, rewritten only where they changed.
-        self._input_rows = InputRows(self.buckets.max_rows, config.max_pages_per_seq, config.max_logit_bias,
-                                     config.max_stop_ids)
         logits_shardings = LogitsShardings(
             computed=NamedSharding(self.mesh, logits_partition_spec(model_config.vocab_size, self.mesh)),
             sampled=self._replicated)
         # The LoRA adapter slots on the devices; None: the engine serves no adapters.
         self.lora = (DeviceLoraSlots(model_config, self.mesh, config.max_loras, config.max_lora_rank, dtype)
                      if config.enable_lora else None)
+        # Each step's padded host inputs, and the rows of recent sequences they are built from.
+        self.inputs = StepInputBuilder(config, self.buckets, self.num_speculative_tokens, self.lora is not None)
         self._jitted = jax.jit(functools.partial(run_packed_step, graphdef, logits_shardings=logits_shardings),
                                static_argnames=("layout", "num_top_logprobs"), donate_argnames="pool",
                                out_shardings=(self._replicated, self._pool_leaf_shardings()))
@@ -347,12 +271,12 @@ class ModelRunner:
     def _layout(self, bucket: StepBucket) -> PackedLayout:
         """The transfer buffer of the bucket's program, or of a plain bucket's two programs."""
         if bucket not in self._layouts:
-            self._layouts[bucket] = PackedLayout.of(_packed_tree(bucket, self._padding_arrays(bucket)))
+            self._layouts[bucket] = PackedLayout.of(_packed_tree(bucket, self.inputs.padding_arrays(bucket)))
         return self._layouts[bucket]
 
     def _sampling_layout(self, num_rows: int) -> PackedLayout:
         if num_rows not in self._sampling_layouts:
-            self._sampling_layouts[num_rows] = PackedLayout.of(self._padding_arrays(StepBucket(num_rows,
+            self._sampling_layouts[num_rows] = PackedLayout.of(self.inputs.padding_arrays(StepBucket(num_rows,
                                                                                                num_rows)).sampling)
         return self._sampling_layouts[num_rows]
 
@@ -370,7 +294,7 @@ class ModelRunner:
         """Prepares the step and puts its inputs on the devices; a plain step's forward program starts running."""
         with self.guard.watch():
             with jax.profiler.TraceAnnotation("prepare"):
-                bucket, host_arrays = self.prepare(schedule)
+                bucket, host_arrays = self.inputs.prepare(schedule)
             if not splits(bucket) or self._channel is not None:
                 return StartedStep(schedule, bucket, host_arrays, logits=None, sampling_inputs=None)
             with jax.profiler.TraceAnnotation("forward"):
@@ -392,21 +316,9 @@ class ModelRunner:
                     self._channel.send_step(bucket, (started.host_arrays, self._masks.whole(bucket.num_seqs,
                                                                                              allowed)))
                 result = self._run_program(bucket, started.host_arrays, allowed)
-        self._last_rows = {c.request_id: row for row, c in enumerate(chunks) if c.samples}
-        return PendingStep(result, len(chunks), _prompt_spans(chunks) if bucket.prompt_logits else (),
+        self.inputs.record_samples(chunks)
+        return PendingStep(result, len(chunks), prompt_spans(chunks) if bucket.prompt_logits else (),
                            draft_rows=[row for row, c in enumerate(chunks) if c.num_draft_tokens])
-
-    def prepare(self, schedule: SchedulerOutput) -> tuple[StepBucket, StepArrays]:
-        """The bucket of this batch and its padded inputs as host arrays (pure numpy: the host's share of a step)."""
-        chunks = schedule.sequences
-        layout = ChunkLayout.of(chunks)
-        # A step without sequences (warm-up, padding) leaves the kept rows alone.
-        slots = self._input_rows.slots(chunks, layout.num_pages) if chunks else None
-        bucket = self.buckets.select(schedule.num_batched_tokens, len(chunks),
-                                     prompt_logits=any(c.wants_prompt_logits for c in chunks),
-                                     penalties=slots is not None and self._input_rows.any_penalties(slots),
-                                     drafts=any(c.num_draft_tokens for c in chunks))
-        return bucket, self._step_arrays(chunks, bucket, layout, slots)
 
     def replace_lost_pool(self) -> None:
         """After a failed step: a pool whose buffers the failed program consumed (donation) is replaced by zeros.
@@ -418,7 +330,7 @@ class ModelRunner:
             abort_group("a step failed while the group ran in lockstep")
         if any(page.is_deleted() for page in jax.tree.leaves(self.pool)):
             self.pool = self._fresh_pool(self.pool.num_pages)
-        self._last_rows = {}
+        self.inputs.forget_samples()
 
     def _fresh_pool(self, num_pages: int) -> PagedKVCache:
         return PagedKVCache.zeros(*self._pool_dims(num_pages), attention_backend=self.attention_backend,
@@ -475,7 +387,7 @@ class ModelRunner:
 
     def _padding_message(self, bucket: StepBucket) -> tuple[StepArrays, np.ndarray]:
         """What a lockstep message of the bucket carries, with its shapes: the step's arrays and its masks."""
-        return self._padding_arrays(bucket), self._masks.whole(bucket.num_seqs, None)
+        return self.inputs.padding_arrays(bucket), self._masks.whole(bucket.num_seqs, None)
 
     def _to_devices(self, packed: np.ndarray) -> jax.Array:
         """The step's inputs (i32[size], PackedLayout), replicated over the mesh in one transfer.
@@ -504,51 +416,6 @@ class ModelRunner:
         if self._channel is not None and self._channel.is_leader:
             self._channel.send_stop()
 
-    def _step_arrays(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket, layout: ChunkLayout,
-                     slots: np.ndarray | None) -> StepArrays:
-        """`slots` (i32[n]): the chunks' kept rows (InputRows.slots); None: no chunks."""
-        total = layout.num_tokens
-        flat_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, total)
-        pending = flat_ids == PENDING_TOKEN  # bool[total]
-        token_ids = np.zeros(bucket.num_tokens, np.int32)
-        token_ids[:total] = np.where(pending, 0, flat_ids)
-        pending_rows = np.full(bucket.num_tokens, -1, np.int32)
-        if pending.any():
-            source_rows = np.fromiter((self._last_rows.get(c.request_id, -1) for c in chunks), np.int32, len(chunks))
-            pending_rows[:total] = np.where(pending, source_rows[layout.token_rows], -1)
-            if (pending_rows[:total][pending] < 0).any():
-                raise RuntimeError("a pending token has no sample in the previous step")
-        sample_index = np.zeros(bucket.num_seqs, np.int32)
-        sample_index[: len(chunks)] = layout.last_token
-        inputs = build_metadata(chunks, num_tokens=bucket.num_tokens, num_seqs=bucket.num_seqs,
-                                max_pages=self.config.max_pages_per_seq, page_size=self.config.block_size,
-                                block_tables=self._input_rows.block_table_rows(slots, bucket.num_seqs)
-                                if slots is not None else None, layout=layout)
-        return StepArrays(token_ids=token_ids, pending_rows=pending_rows, positions=inputs.positions,
-                          metadata=inputs.metadata, sample_index=sample_index,
-                          sampling=self._sampling_tensors(chunks, bucket, slots),
-                          prompt_targets=_prompt_targets(chunks, bucket.num_tokens) if bucket.prompt_logits
-                          else None,
-                          drafts=build_draft_arrays(chunks, layout.last_token, bucket.num_seqs,
-                                                    self.num_speculative_tokens) if bucket.drafts else None,
-                          lora_slots=_token_lora_slots(chunks, layout, bucket.num_tokens) if self.lora is not None
-                          else None)
-
-    def _sampling_tensors(self, chunks: Sequence[ScheduledSequence], bucket: StepBucket, slots: np.ndarray | None):
-        """The rows' sampling settings but their token masks (allowed: None): from the kept rows (slots), or built
-        afresh (the reference path)."""
-        history_width = self._history_width if bucket.penalties else 1
-        if slots is not None:
-            return self._input_rows.sampling_tensors(chunks, slots, bucket.num_seqs, history_width)
-        return dataclasses.replace(build_sampling_tensors(
-            [c.sampling for c in chunks], bucket.num_seqs, bias_width=self.config.max_logit_bias,
-            stop_width=self.config.max_stop_ids, history_width=history_width, mask_width=1), allowed=None)
-
-    def _padding_arrays(self, bucket: StepBucket) -> StepArrays:
-        """Inputs of a step with no sequences: the shapes and dtypes of the bucket's program."""
-        return self._step_arrays([], bucket, ChunkLayout.of([]), None)
-
-
 def _packed_tree(bucket: StepBucket, arrays: StepArrays):
     """What the bucket's transfer buffer holds: its StepArrays, or for a plain bucket (sampling tensors, the rest), so
     that the sampling tensors lead the buffer and its sampler reads the same words whatever the bucket."""
@@ -564,55 +431,6 @@ def splits(bucket: StepBucket) -> bool:
 def _abstract(x) -> jax.ShapeDtypeStruct:
     """An array's (or placeholder's) shape, dtype and sharding."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-
-def _token_lora_slots(chunks: Sequence[ScheduledSequence], layout: ChunkLayout,
-                      num_tokens: int) -> np.ndarray:  # i32[num_tokens]
-    """Each token's adapter slot, its chunk's; padding tokens take slot 0 (none)."""
-    slots = np.zeros(num_tokens, np.int32)
-    per_chunk = np.fromiter((c.lora_slot for c in chunks), np.int32, len(chunks))  # i32[n]
-    slots[:layout.num_tokens] = per_chunk[layout.token_rows]
-    return slots
-
-
-def _prompt_spans(chunks: Sequence[ScheduledSequence]) -> list[_PromptSpan]:
-    """The chunks that score prompt tokens, each with its tokens that have a following prompt token.
-
-    The scheduler marks a chunk only while it starts before the prompt's last token, so each span has one at least.
-    """
-    spans, first = [], 0
-    for row, chunk in enumerate(chunks):
-        if chunk.wants_prompt_logits:
-            count = min(chunk.num_tokens, len(chunk.sampling.prompt_ids) - 1 - chunk.start_position)
-            spans.append(_PromptSpan(row, first, chunk.start_position + 1, count))
-        first += chunk.num_tokens
-    return spans
-
-
-def _prompt_targets(chunks: Sequence[ScheduledSequence], num_tokens: int) -> np.ndarray:
-    """i32[T]: the prompt token each scoring chunk's token predicts; 0 where nothing is scored."""
-    targets = np.zeros(num_tokens, np.int32)
-    for span in _prompt_spans(chunks):
-        scored = chunks[span.row].sampling.prompt_ids[span.first_position:span.first_position + span.count]
-        targets[span.first_token:span.first_token + span.count] = scored
-    return targets
-
-
-def _span_scores(scores: SamplerOutput, span: _PromptSpan) -> PromptScores:
-    """One chunk's share of a step's prompt scores (host arrays over the step's T tokens)."""
-    tokens = slice(span.first_token, span.first_token + span.count)
-    return PromptScores(first_position=span.first_position, token_ids=scores.token_ids[tokens],
-                        logprobs=scores.logprobs[tokens], ranks=scores.ranks[tokens],
-                        top_ids=scores.top_ids[tokens], top_logprobs=scores.top_logprobs[tokens])
-
-
-def _accepted(drafts: VerifiedDrafts, row: int) -> AcceptedDrafts:
-    """One row's accepted drafts (host arrays of a step's VerifiedDrafts)."""
-    count = int(drafts.num_accepted[row])
-    scores = drafts.accepted
-    return AcceptedDrafts(token_ids=scores.token_ids[row, :count], logprobs=scores.logprobs[row, :count],
-                          ranks=scores.ranks[row, :count], top_ids=scores.top_ids[row, :count],
-                          top_logprobs=scores.top_logprobs[row, :count])
 
 
 def _program_bar(verb: str, total: int, shown: bool) -> tqdm:

@@ -219,8 +219,8 @@ def start_engine(settings: EngineSettings, name: str) -> dict[str, Any]:
 
 def request_lengths(engine: LLMEngine, ids: list[str]) -> list[tuple[int, int]]:
     """(tokens in the sequence, output tokens) of each request, as the host knows them."""
-    requests = [engine.scheduler.get_request(request_id) for request_id in ids]
-    if any(request is None or request.is_finished for request in requests):
+    requests = [request for request_id in ids for request in engine.scheduler_requests(request_id)]
+    if len(requests) < len(ids) or any(request.is_finished for request in requests):
         raise RuntimeError("a request finished inside the timed window; raise EngineSettings.max_new_tokens")
     return [(request.num_tokens, request.num_output_tokens) for request in requests]
 

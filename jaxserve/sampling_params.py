@@ -115,6 +115,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None or name not in _OPTIONAL:
                 _require(bounds.holds(value), name, f"{name} must be {bounds.spelled()}, got {value!r}")
+        _require(self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
         _require(all(t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
                  "logit_bias maps token ids >= 0 to biases in [-100, 100]")
         _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")

@@ -174,6 +174,20 @@ def test_aborts_at_random_points_leak_no_pages(engine_llm):
     assert stats.num_pages_free + stats.num_pages_cached == ENGINE["num_kv_pages"] - 1
 
 
+def test_an_engine_shut_down_with_a_step_in_flight_serves_again(engine_llm, reference_outputs):
+    """A server's engine loop stops (shutdown) between a step's dispatch and its read-back; the engine, reused, must
+    not wait for that step's outputs, and answers as before."""
+    engine = engine_llm.engine
+    prompts, params = _workload()
+    engine.add_request("cut-short", prompts[0]["prompt_token_ids"], params[0])
+    engine.step()
+    assert engine.has_unfinished_requests()  # the step is on the device, not read back
+    engine.shutdown()
+    assert not engine.has_unfinished_requests()
+    outputs = engine_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
+
+
 def test_no_compile_after_warm_up_across_buckets_and_sampling_mixes(engine_llm):
     varied = [
         SamplingParams(max_tokens=6, temperature=0),

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from jaxserve.entrypoints.openai_body import sampling_params_from_body
-from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body, refusal_of
+from jaxserve.entrypoints.openai_body import CONSTRAINT_KEYWORDS, sampling_params_from_body
+from jaxserve.entrypoints.protocol import (CONSTRAINT_FIELDS, ChatCompletionRequestBody, CompletionRequestBody,
+                                           parse_body, refusal_of)
 from jaxserve.errors import InvalidRequestError
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
@@ -71,6 +72,44 @@ def test_lists_longer_than_max_model_len_are_refused_before_validation():
     with pytest.raises(InvalidRequestError, match="prompt holds 9 items"):
         parse_body(CompletionRequestBody, json.dumps({"prompt": [[1], list(range(9))]}), max_items=8)
     assert parse_body(CompletionRequestBody, json.dumps({"prompt": list(range(8))}), max_items=8).prompt
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_choice", [f"c{i}" for i in range(9)]),
+    ("guided_json", {"enum": list(range(9))}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": list(range(9))}}}),
+    ("structured_outputs", {"choice": [f"c{i}" for i in range(9)]}),
+])
+def test_constraints_longer_than_max_model_len_are_accepted(field, value):
+    """Their lists are the grammar's data, not prompt tokens: a 9-way choice fits an 8-token context."""
+    assert getattr(parse_body(CompletionRequestBody, json.dumps({**COMPLETION, field: value}), max_items=8), field)
+
+
+def test_the_fields_exempt_from_the_length_check_are_those_that_give_a_constraint():
+    assert set(CONSTRAINT_KEYWORDS) == CONSTRAINT_FIELDS
+
+
+def test_unknown_fields_are_dropped_before_their_length_is_measured():
+    body = json.dumps({**COMPLETION, "extra_tags": list(range(9))})
+    assert parse_body(CompletionRequestBody, body, allow_unknown_fields=True, max_items=8).prompt == "Hi"
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_an_unknown_nested_field_is_named_by_its_path(allowed):
+    """--allow-unknown-fields drops top-level fields only, so the error about a nested one does not suggest it."""
+    raw = json.dumps({**COMPLETION, "stream": True, "stream_options": {"include_usage": True, "extra": 1}})
+    with pytest.raises(InvalidRequestError) as refused:
+        parse_body(CompletionRequestBody, raw, allow_unknown_fields=allowed)
+    assert str(refused.value) == "unknown field 'stream_options.extra': this server does not implement it"
+    assert refused.value.param == "stream_options"
+
+
+def test_stream_obfuscation_is_refused_unless_off():
+    options = {"include_usage": True, "include_obfuscation": False}
+    assert parse_body(CompletionRequestBody, json.dumps({**COMPLETION, "stream_options": options})).stream_options
+    with pytest.raises(InvalidRequestError, match="include_obfuscation is not supported") as refused:
+        parse_body(CompletionRequestBody, json.dumps({**COMPLETION, "stream_options": {"include_obfuscation": True}}))
+    assert refused.value.param == "stream_options"
 
 
 @pytest.mark.parametrize("model, base, chat", [(CompletionRequestBody, COMPLETION, False),

@@ -36,14 +36,17 @@ def _random_params(rng: np.random.Generator, greedy: bool, penalties: bool) -> S
     )
 
 
-def _random_row(rng: np.random.Generator, greedy: bool, penalties: bool = True, step: int = 0) -> SamplingRow:
+def _random_row(rng: np.random.Generator, greedy: bool, penalties: bool = True,
+                step: int | None = None) -> SamplingRow:
+    """A row drawing after `output`; `step` (None: the draw after the outputs, which counts itself) keys its draw."""
     # Few distinct ids, so that prompt and output overlap and tokens repeat.
     prompt = tuple(int(t) for t in rng.integers(0, 12, rng.integers(1, 11)))
     output = tuple(int(t) for t in rng.integers(0, 12, rng.integers(0, 9)))
     params = _random_params(rng, greedy, penalties)
     # Half the rows follow a grammar that allows about half the vocabulary.
     mask = np.packbits(rng.random(VOCAB) < 0.5, bitorder="little").view(np.int32) if rng.random() < 0.5 else None
-    return SamplingRow(params, prompt, output, EOS, seed=int(rng.integers(2**40)), step=step, token_mask=mask)
+    return SamplingRow(params, prompt, output, EOS, seed=int(rng.integers(2**40)),
+                       step=len(output) + 1 if step is None else step, token_mask=mask)
 
 
 def _host_processed(logits: np.ndarray, row: SamplingRow) -> np.ndarray:  # f64[vocab]

@@ -43,6 +43,7 @@ def test_greedy_when_temperature_zero_or_top_k_one():
 @pytest.mark.parametrize("kwargs, param", [
     (dict(n=0), "n"),
     (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),  # as vLLM: it could not be honoured
     (dict(min_p=1.5), "min_p"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3), "frequency_penalty"),

@@ -85,6 +85,16 @@ def test_streamed_completion_joins_to_the_non_streamed_text(client):
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_streamed_completion_logprobs_join_to_the_non_streamed_ones(client):
+    """text_offset runs on across events, as in the whole answer (each event does not restart at 0)."""
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2, n=2)
+    whole = client.completions.create(**request).choices
+    streamed = [c.choices[0] for c in client.completions.create(**request, stream=True)]
+    for index, answer in enumerate(whole):
+        events = [c.logprobs for c in streamed if c.index == index and c.logprobs is not None]
+        for field in ("tokens", "token_logprobs", "text_offset"):
+            assert [x for event in events for x in getattr(event, field)] == getattr(answer.logprobs, field), field
+
 def test_completion_n_2_gives_two_indexed_choices(client):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1, seed=3, n=2)
     assert [c.index for c in response.choices] == [0, 1]
@@ -429,6 +439,8 @@ def test_streamed_calls_accumulate_to_the_calls_answered_whole(client):
     with client.chat.completions.stream(**request) as stream:
         streamed = stream.get_final_completion().choices[0]
     assert streamed.finish_reason == whole.finish_reason == "tool_calls"
+    # OpenAI's role event says content null where the answer must call: accumulated, it is the whole answer's null.
+    assert streamed.message.content is None and whole.message.content is None
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert Weather.model_validate_json(whole.message.tool_calls[0].function.arguments)

@@ -72,6 +72,13 @@ def test_a_named_choice_reads_only_calls_of_that_function():
     assert parse_answer('{"name": "get_weather", "parameters": {}}', named).calls == []
 
 
+@pytest.mark.parametrize("choice, forced", [("auto", False), ("none", False), ("required", True),
+                                            ({"type": "function", "function": {"name": "get_time"}}, True)])
+def test_only_required_and_named_choices_force_calls_by_grammar(choice, forced):
+    calling = _calling(choice)
+    assert calling.forces_calls is forced and (calling.constraint() is not None) is forced
+
+
 @pytest.mark.parametrize("body, param, fault", [
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "more than once"),

@@ -218,11 +218,17 @@ class AsyncEngine:
         except Exception as e:
             log.exception("an engine step failed; its requests end with an error, the engine goes on")
             failure = EngineStepError(f"the engine failed while running this request: {e!r}")
-            self._call_on_loop(self._deliver, [(rid, failure) for rid in self.engine.abort_all_requests()])
+            # What the step completed before it failed still reaches its callers, ahead of the others' error.
+            events = self._events(self.engine.pop_finished())
+            self._call_on_loop(self._deliver, events + [(rid, failure) for rid in self.engine.abort_all_requests()])
             return
-        events = [(d.request_id, d) for d in self.engine.pop_deltas()] + [(o.request_id, o) for o in finished]
+        events = self._events(finished)
         if events:
             self._call_on_loop(self._deliver, events)
+
+    def _events(self, finished: list[RequestOutput]) -> list[tuple[str, EngineEvent]]:
+        """The streaming requests' new tokens since the last step, then the requests `finished`."""
+        return [(d.request_id, d) for d in self.engine.pop_deltas()] + [(o.request_id, o) for o in finished]
 
     def _call_on_loop(self, callback, *args) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to hear

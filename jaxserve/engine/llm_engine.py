@@ -117,6 +117,7 @@ class LLMEngine:
         self._draw_seeds = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
         self._deltas: list[CompletionDelta] = []
+        self._finished: list[RequestOutput] = []  # finished in the current step() (or one that failed): pop_finished
         self.phase_times = StepPhaseTimes()  # host time per phase of step(), summed
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
@@ -141,7 +142,10 @@ class LLMEngine:
         max_new = self._max_new_tokens(len(ids), params)
         self._check_runner_limits(params)
         lora_id = self._lora_id(lora_request, load_lora)
-        children = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else [request_id]
+        arrivals = [next(self._arrivals) for _ in range(params.n)]
+        # Scheduler ids unique per arrival, whatever the caller's ids: an id reused after an abort, while a step of the
+        # old request is still in flight, must not take that step's rows, nor "a" with n > 1 collide with "a#1".
+        children = [f"{request_id}#{arrival}" for arrival in arrivals]
         base_seed = params.seed if params.seed is not None else int(self._draw_seeds.integers(2**32))
         tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
                            prompt_logprobs={}, stream=stream)
@@ -151,8 +155,8 @@ class LLMEngine:
         if constraint is not None and grammar is None:
             grammar = self.grammars.check(constraint)  # may refuse
         grammars = [grammar.matcher() if grammar is not None else None for _ in children]
-        for index, child in enumerate(children):
-            self.scheduler.add_request(Request(child, ids, params, next(self._arrivals), max_new_tokens=max_new,
+        for index, (child, arrival) in enumerate(zip(children, arrivals)):
+            self.scheduler.add_request(Request(child, ids, params, arrival, max_new_tokens=max_new,
                                                # As vLLM: continuation i draws with seed + i.
                                                seed=base_seed + index, eos_token_ids=self.tokenizer.eos_token_ids,
                                                grammar=grammars[index], lora_id=lora_id))
@@ -214,10 +218,14 @@ class LLMEngine:
             self.abort_request(request_id)
         self._in_flight = None
         self.scheduler.forget_steps_in_flight()
+        # Pages registered for the failed step may never have been written, and a replaced pool holds zeros: a later
+        # prompt must not find either by its content.
+        self.scheduler.pool.forget_contents()
         if self.scheduler.adapter_slots is not None:
             # The failure may have come from writing a slot its bookkeeping already gave an adapter.
             self.scheduler.adapter_slots.reset()
         self._deltas.clear()
+        self._finished.clear()
         self.runner.replace_lost_pool()
         if self.draft_runner is not None:
             self.draft_runner.replace_lost_pool()
@@ -230,6 +238,7 @@ class LLMEngine:
             with contextlib.suppress(Exception):  # its results are dropped anyway; only its end matters
                 self._in_flight.step.fetch()
             self._in_flight = None
+            self.scheduler.forget_steps_in_flight()  # else the next step, if the engine serves again, waits on it
         for request_id in list(self._tracked):
             self.abort_request(request_id)
 
@@ -237,6 +246,12 @@ class LLMEngine:
         """The streaming requests' new tokens since the last call, in the order they were generated."""
         deltas, self._deltas = self._deltas, []
         return deltas
+
+    def scheduler_requests(self, request_id: str) -> list[Request]:
+        """The scheduler's requests of a live request, one per continuation (their tokens and pages as the host knows
+        them); [] once it ended."""
+        tracked = self._tracked.get(request_id)
+        return [self.scheduler.get_request(child) for child in tracked.children] if tracked is not None else []
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked) or self._in_flight is not None
@@ -251,12 +266,22 @@ class LLMEngine:
             self.draft_runner.guard.compiles_after_warmup if self.draft_runner is not None else 0)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that finished in it."""
+        """One iteration; returns the requests that finished in it. If it raises, those that finished before the
+        failure are kept for `pop_finished`."""
         if self._in_flight is not None and not self._may_overlap():
-            finished = self._complete(self._in_flight)
+            self._finished += self._complete(self._in_flight)
             self._in_flight = None
-        else:
-            finished = []
+        self._schedule_and_dispatch()
+        return self.pop_finished()
+
+    def pop_finished(self) -> list[RequestOutput]:
+        """The requests finished since the last call: after a step raised, those it finished first (their callers
+        must hear of them before `abort_all_requests` ends the others)."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _schedule_and_dispatch(self) -> None:
+        """Schedules and dispatches the next step, then assembles the step still in flight (async overlap)."""
         with jax.profiler.TraceAnnotation("schedule"), self.phase_times.timing("schedule"):
             schedule = self.scheduler.schedule()
         with self.phase_times.timing("dispatch"):
@@ -274,10 +299,9 @@ class LLMEngine:
         else:
             dispatched = None
         if self._in_flight is not None:
-            finished += self._assemble(read_back if read_back is not None else self._read_back(self._in_flight))
+            self._finished += self._assemble(read_back if read_back is not None else self._read_back(self._in_flight))
         self._in_flight = dispatched
         self.phase_times.steps += 1
-        return finished
 
     def _may_overlap(self) -> bool:
         """Async overlap schedules a step before the previous one's tokens are read back, which penalties (they

@@ -169,6 +169,15 @@ class PagePool:
         self._chain_of_page[page_id] = chain
         return key
 
+    def forget_contents(self) -> None:
+        """No page may be found by its content any more: cached pages become free and pages in use unkeyed. For when
+        the pool's KV is lost or was never written (a failed step: pages registered when its batch was built, a pool
+        replaced by zeros)."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._key_of_chain.clear()
+        self._chain_of_page.clear()
+
     def _take_page(self) -> int:
         if self._free:
             return self._free.popleft()

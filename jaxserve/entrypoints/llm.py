@@ -132,10 +132,14 @@ class LLM:
             raise
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    results[output.request_id] = output
-                    bar.update()
+            try:
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        results[output.request_id] = output
+                        bar.update()
+            except BaseException:  # a failed step, or an interrupt (Ctrl-C) between steps: the next call starts clean
+                self.engine.abort_all_requests()
+                raise
         return [results[request_id] for request_id in ids]
 
 

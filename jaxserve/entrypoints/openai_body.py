@@ -69,7 +69,7 @@ def structured_outputs_from_body(body: dict[str, Any], tool_calling: ToolCalling
     """The body's output constraint and the field that gave it (tool_choice when it forces calls); more than one
     constraining field is a 400."""
     given = {}
-    for field, keywords_of in _CONSTRAINT_FIELDS.items():
+    for field, keywords_of in CONSTRAINT_KEYWORDS.items():
         if body.get(field) is not None:
             keywords = keywords_of(body[field])
             if keywords is not None:
@@ -105,7 +105,7 @@ def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, An
 
 
 # The fields that may carry a request's output constraint, and how each becomes StructuredOutputsParams' keywords.
-_CONSTRAINT_FIELDS = {
+CONSTRAINT_KEYWORDS = {
     "response_format": _response_format_constraint,
     "structured_outputs": lambda value: {name: value[name] for name in ("json", "json_object", "regex", "choice",
                                                                         "grammar") if value.get(name) is not None},

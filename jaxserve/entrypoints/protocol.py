@@ -74,6 +74,7 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool | None = Field(None, description="a last event with the request's usage")
     continuous_usage_stats: bool | None = _refused("usage in every event is " + NOT_YET, False)
+    include_obfuscation: bool | None = _refused("obfuscation padding in events is " + NOT_YET, False)
 
 
 class JsonSchemaFormat(_Body):
@@ -318,21 +319,28 @@ class UnloadLoraAdapterBody(_Body):
     lora_name: str = Field(min_length=1, description="the adapter's name")
 
 
+# The fields that give an output constraint (structured output), on either endpoint
+CONSTRAINT_FIELDS = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex",
+                               "guided_choice", "guided_grammar"})
+
+
 def parse_body(model: type[_Body], raw: bytes | str | dict, allow_unknown_fields: bool = False,
                max_items: int | None = None) -> _Body:
     """`raw` (JSON text, or an already parsed object) as `model`, with every refused field checked; anything wrong
     is an InvalidRequestError naming the field (`param`).
 
     `max_items` (the model's max_model_len): no list or object of a usable request holds more items (a prompt, a
-    message, a stop token each cost a token at least), so larger ones are refused before validating them, which
-    would hold the interpreter for as long as they are large.
+    message, a tool each cost a token at least), so larger ones are refused before validating them, which would hold
+    the interpreter for as long as they are large. Output constraints are exempt: their lists (a schema's enum,
+    choices) are the grammar compiler's data, never prompt text, and its time limit bounds them.
     """
     value = raw if isinstance(raw, dict) else parse_json_object(raw)
-    if max_items is not None:
-        for name, item in value.items():
-            _check_items(name, item, max_items)
     if allow_unknown_fields:
         value = {key: item for key, item in value.items() if key in model.model_fields}
+    if max_items is not None:
+        for name, item in value.items():
+            if name not in CONSTRAINT_FIELDS:
+                _check_items(name, item, max_items)
     try:
         body = model.model_validate(value)
     except ValidationError as error:
@@ -395,6 +403,10 @@ def _invalid(model: type[_Body], error: ValidationError) -> InvalidRequestError:
     first = errors[0]
     param = str(first["loc"][0]) if first["loc"] else None
     if first["type"] == "extra_forbidden":
+        # --allow-unknown-fields drops unknown top-level fields only; inside a known field, the path names the key.
+        if len(first["loc"]) > 1:
+            path = ".".join(str(part) for part in first["loc"])
+            return InvalidRequestError(f"unknown field {path!r}: this server does not implement it", param=param)
         return InvalidRequestError(f"unknown field {param!r}: this server does not implement it (an operator can "
                                    "start it with --allow-unknown-fields to drop unknown fields instead)", param=param)
     if first["type"] == "missing" and len(first["loc"]) == 1:

@@ -40,9 +40,14 @@ class ToolCalling:
     def names(self) -> tuple[str, ...]:
         return tuple(tool["function"]["name"] for tool in self.tools)
 
+    @property
+    def forces_calls(self) -> bool:
+        """Every answer is calls, never text (tool_choice required, or a named function)."""
+        return self.choice in ("required", "function")
+
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar that forces calls (required, or a named function); None when the model decides."""
-        if self.choice not in ("required", "function"):
+        if not self.forces_calls:
             return None
         forced = [tool["function"] for tool in self.tools if self.choice == "required" or
                   tool["function"]["name"] == self.function]

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxserve.runner.paged_inputs import check_no_null_page
-from jaxserve.runner.sampler import (PenaltyTensors, SamplingTensors, TruncationTensors, build_sampling_tensors,
-                                     penalty_tensors)
+from jaxserve.runner.sampler import (PenaltyTensors, SamplingTensors, TruncationTensors, blocks_stop_ids,
+                                     build_sampling_tensors, penalty_tensors)
 from jaxserve.schedule import NULL_PAGE, SamplingRow, ScheduledSequence
 
 class InputRows:
@@ -73,17 +73,13 @@ class InputRows:
         rows = [c.sampling for c in chunks]
         padded = self._padded(slots, num_rows)
         kept = {name: leaf[padded] for name, leaf in self._settings.items()}
-        min_tokens = self.min_tokens[padded]
-        num_outputs = np.zeros(num_rows, np.int32)
-        if min_tokens.any():  # else no row blocks its stop ids, whatever its outputs
-            num_outputs[:len(rows)] = np.fromiter((len(r.output_ids) for r in rows), np.int32, len(rows))
         steps = np.zeros(num_rows, np.int32)
         steps[:len(rows)] = np.fromiter((r.draw_step for r in rows), np.int32, len(rows))
         histories = penalty_tensors(rows, num_rows, history_width) if history_width > 1 else None
         return SamplingTensors(
             greedy=kept["greedy"], temperature=kept["temperature"], seeds=kept["seeds"], steps=steps,
             bias_ids=kept["bias_ids"], bias_values=kept["bias_values"], stop_ids=kept["stop_ids"],
-            block_stop_ids=num_outputs < min_tokens,
+            block_stop_ids=blocks_stop_ids(steps, self.min_tokens[padded]),
             allowed=None,
             penalties=PenaltyTensors(
                 history_ids=histories.history_ids if histories else np.full((num_rows, 1), -1, np.int32),

@@ -110,7 +110,7 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
         bias_ids=_padded([list(b) for b in biases], num_rows, bias_width, -1, np.int32),
         bias_values=_padded([list(b.values()) for b in biases], num_rows, bias_width, 0.0, np.float32),
         stop_ids=_padded(stops, num_rows, stop_width, -1, np.int32),
-        block_stop_ids=np.array([len(r.output_ids) < r.params.min_tokens for r in rows] + [False] * pad),
+        block_stop_ids=np.array([blocks_stop_ids(r.draw_step, r.params.min_tokens) for r in rows] + [False] * pad),
         allowed=token_masks(rows, num_rows, mask_width),
         penalties=penalty_tensors(rows, num_rows, history_width),
         truncation=_truncation_tensors(rows, num_rows),
@@ -235,6 +235,12 @@ def _droppable(ids: jax.Array, logits: jax.Array) -> jax.Array:  # i32 like ids
 
 def _row_index(ids: jax.Array) -> jax.Array:  # i32 like ids: the row of each entry
     return jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+
+
+def blocks_stop_ids(draw_step: int | np.ndarray, min_tokens: int | np.ndarray):  # bool, or bool[S] for i32[S]
+    """min_tokens is unmet at this draw: fewer tokens than min_tokens come before it (draw_step counts the draw
+    itself; the engine's live outputs hold its pending token when the arrays are built)."""
+    return (min_tokens > 0) & (draw_step - 1 < min_tokens)
 
 
 def _ids_blocked_by_min_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:

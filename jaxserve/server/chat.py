@@ -54,6 +54,11 @@ class ChatRequest:
         """Whether answers are read for tool calls (tools given, tool_choice not none)."""
         return self.tool_calling is not None and self.tool_calling.choice != "none"
 
+    @property
+    def forces_calls(self) -> bool:
+        """Whether every answer is calls, never text (tools given, tool_choice required or a named function)."""
+        return self.tool_calling is not None and self.tool_calling.forces_calls
+
 
 @blueprint.post("/v1/chat/completions")
 @declares(RouteSchema(requests=(ChatCompletionRequestBody,), response=ChatCompletionResponse,
@@ -66,9 +71,11 @@ async def create_chat_completion() -> Response:
     model = request.model.name
     if request.stream:
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        # OpenAI's first event of every choice names the speaker, with no text yet.
-        roles = [chat_completion_chunk(chunk_id, created, model, index, {"role": "assistant", "content": ""}, None,
-                                       None, None) for index in range(request.params.n)]
+        # OpenAI's first event of every choice names the speaker, with no text yet: content null where the answer is
+        # certainly calls (as answered whole, so clients that accumulate the stream agree), "" where it may be text.
+        role = {"role": "assistant", "content": None if request.forces_calls else ""}
+        roles = [chat_completion_chunk(chunk_id, created, model, index, role, None, None, None)
+                 for index in range(request.params.n)]
         return await streamed_response(_chat_chunks(context, request, tally, chunk_id, created, model), roles)
     [output] = await final_outputs(context, [request.prompt], request.params, tally, request.model.lora)
     return jsonify(chat_completion_body(output, model, request.params.logprobs or 0, context.tokenizer,

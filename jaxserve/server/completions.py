@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -113,6 +114,9 @@ async def _completion_chunks(context: ServerContext, request: CompletionRequest,
                              created: int, model: str) -> AsyncIterator[dict[str, Any]]:
     n = request.params.n
     finished: list[RequestOutput] = []
+    # Each choice's logprobs text_offset goes on from its previous event's, as answered whole (echo with logprobs is
+    # refused when streaming, so every choice starts at 0).
+    offsets: collections.Counter[int] = collections.Counter()
     async with contextlib.aclosing(merged_events(context, request.prompts, request.params, tally,
                                                  request.model.lora)) as events:
         async for i, event in events:
@@ -122,17 +126,27 @@ async def _completion_chunks(context: ServerContext, request: CompletionRequest,
                 if event.finish_reason is not None:
                     yield completion_chunk(chunk_id, created, model, i * n + event.index, "", None, "length", None)
             elif event.text or event.finish_reason or event.logprobs:
-                yield _delta_chunk(chunk_id, created, model, i * n + event.index, event)
+                index = i * n + event.index
+                chunk = _delta_chunk(chunk_id, created, model, index, event, offsets[index])
+                offsets[index] += _logprobs_text_length(chunk)
+                yield chunk
     if request.include_usage:
         if request.prompt_only:
             finished = [_without_generated(output) for output in finished]
         yield usage_chunk(chunk_id, created, model, "text_completion", usage(finished))
 
 
-def _delta_chunk(chunk_id: str, created: int, model: str, index: int, delta: CompletionDelta) -> dict[str, Any]:
+def _delta_chunk(chunk_id: str, created: int, model: str, index: int, delta: CompletionDelta,
+                 first_offset: int) -> dict[str, Any]:
     return completion_chunk(chunk_id, created, model, index, delta.text,
-                            completion_logprobs(delta.token_ids, delta.logprobs), delta.finish_reason,
+                            completion_logprobs(delta.token_ids, delta.logprobs, first_offset), delta.finish_reason,
                             delta.stop_reason)
+
+
+def _logprobs_text_length(chunk: dict[str, Any]) -> int:
+    """Characters the chunk's logprobs tokens spell (what text_offset counts); 0 without logprobs."""
+    logprobs = chunk["choices"][0]["logprobs"]
+    return sum(map(len, logprobs["tokens"])) if logprobs is not None else 0
 
 
 def _without_generated(output: RequestOutput) -> RequestOutput:

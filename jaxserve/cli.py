@@ -67,7 +67,11 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(batch)
     batch.add_argument("-i", "--input-file", type=Path, required=True, help="JSONL: one request per line")
     batch.add_argument("-o", "--output-file", type=Path, required=True, help="JSONL: one result per line")
-    batch.add_argument("--served-model-name", help="model name written into the results (default: the folder)")
+    batch.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="the model names lines may give; results carry the first (default: the folder's name)")
+    batch.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+                       help="LoRA adapters lines may name as their model, each name=path or JSON {\"name\": ..., "
+                       "\"path\": ...} (needs --enable-lora)")
     batch.add_argument("--profile-dir", type=Path, help="record a JAX profiler trace of the run here")
     _add_process_group_flags(batch)
     batch.set_defaults(handler=_run_batch, parser=batch)
@@ -252,19 +256,27 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    from jaxserve.entrypoints.batch_runner import run_batch
+    from jaxserve.entrypoints.batch_runner import BatchModels, run_batch
     from jaxserve.entrypoints.llm import LLM
+    from jaxserve.lora_request import LoRARequest
+    from jaxserve.server.config import parse_lora_module
 
     config = _engine_config(args)
     if not args.input_file.is_file():
         raise JaxserveError(f"batch input file not found: {args.input_file}")
+    lora_modules = [parse_lora_module(entry) for entry in args.lora_modules]
+    if lora_modules and not config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
     _join_process_group(args)
     llm = LLM.from_config(config)
     if _followed(llm):  # process 0 reads the input and writes the results
         return 0
-    name = args.served_model_name or _model_name(config.model)
+    adapters = {name: LoRARequest(name, lora_id, path) for lora_id, (name, path) in enumerate(lora_modules, 1)}
+    for adapter in adapters.values():  # read now: a bad folder stops the run before any line does
+        llm.engine.add_lora(adapter)
+    models = BatchModels(tuple(args.served_model_name or [_model_name(config.model)]), adapters)
     with _profiling(args.profile_dir):
-        succeeded, failed = run_batch(llm, args.input_file, args.output_file, name)
+        succeeded, failed = run_batch(llm, args.input_file, args.output_file, models)
     llm.release_followers()
     print(f"wrote {succeeded + failed} results to {args.output_file} ({succeeded} succeeded, {failed} failed)")
     return 0

@@ -102,6 +102,9 @@ class EngineConfig:
     max_lora_rank: int = _setting(16, "highest LoRA rank accepted; every slot is this wide")
     max_cpu_loras: int | None = _setting(None, "LoRA adapters kept read in host memory, the least recently used "
                                          "dropped (default: max_loras); more are read again from their folders")
+    max_lora_wait_steps: int = _setting(1000, "steps during which requests behind one that waits for a LoRA adapter "
+                                        "slot may start before it; after that none does until it has a slot",
+                                        flag=False)
 
     # Requests.
     seed: int = _setting(0, "seeds the draws of requests that bring no seed of their own")
@@ -113,11 +116,15 @@ class EngineConfig:
                                          "this many engine steps of its age", flag=False)
     max_tokens_policy: str = _setting("cap", "prompt + max_tokens beyond max_model_len: 'cap' max_tokens, or "
                                       "'reject' the request", flag=False)
-    max_logprobs: int = _setting(20, "top log-probabilities computed per row; requests ask for at most this many",
-                                 flag=False)
-    max_logit_bias: int = _setting(64, "logit_bias entries per request", flag=False)
-    max_stop_ids: int = _setting(16, "EOS plus stop_token_ids per request (masked while min_tokens is unmet)",
-                                 flag=False)
+    # What one request may ask for (a larger request is refused with an error naming the field). The last three size
+    # every step's sampling inputs: raising them costs host time and device memory per step.
+    max_n: int = _setting(128, "continuations per prompt (n) a request may ask for (OpenAI's limit is 128)")
+    max_prompts_per_request: int = _setting(2048, "prompts in one /v1/completions request (a list of prompts)")
+    max_logprobs: int = _setting(20, "top log-probabilities (logprobs, top_logprobs, prompt_logprobs) a request may "
+                                 "ask for; each step computes this many per row (vLLM's --max-logprobs)")
+    max_logit_bias: int = _setting(300, "logit_bias entries a request may give (OpenAI accepts 300)")
+    max_stop_ids: int = _setting(64, "EOS ids plus stop_token_ids a request may have (masked while min_tokens is "
+                                 "unmet)")
     grammar_compile_timeout_s: float = _setting(10.0, "seconds an output constraint (schema, regex, grammar, forced "
                                                 "tool calls) may take to compile; longer is a 400", flag=False)
 
@@ -136,7 +143,8 @@ class EngineConfig:
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name), _HINTS[field.name])
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
-                     "max_stop_ids", "priority_aging_steps", "max_loras", "max_lora_rank"):
+                     "max_stop_ids", "priority_aging_steps", "max_loras", "max_lora_rank", "max_lora_wait_steps",
+                     "max_n", "max_prompts_per_request"):
             if getattr(self, name) is not None:
                 _check_at_least(name, getattr(self, name), 1)
         _check_at_least("max_logit_bias", self.max_logit_bias, 0)

@@ -29,6 +29,11 @@ class InvalidRequestError(JaxserveError):
         self.param = param  # name of the request field at fault, as in OpenAI's error JSON
 
 
+class ConstraintFailedError(InvalidRequestError):
+    """A request's output constraint reached a state its grammar cannot go on from (a grammar with no finite string,
+    or one too complex for the grammar engine); the request ends with this error instead of a truncated output."""
+
+
 class ModelNotFoundError(InvalidRequestError):
     """A request names a model (or LoRA adapter) the engine does not serve; the server answers 404."""
 

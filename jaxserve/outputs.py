@@ -52,3 +52,6 @@ class CompletionDelta:
     logprobs: list[dict[int, Logprob]] | None  # per new token: its candidates, when logprobs were asked for
     finish_reason: str | None  # set on the continuation's last delta: "stop" or "length"
     stop_reason: int | str | None  # the stop token id or stop string that matched, on the last delta
+    # On a continuation's first delta, when prompt_logprobs were asked for: the prompt's entries as in
+    # RequestOutput.prompt_logprobs (streamed echo with logprobs starts with them); None otherwise
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

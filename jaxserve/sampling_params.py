@@ -9,7 +9,6 @@ import math
 from jaxserve.errors import InvalidRequestError
 from jaxserve.structured_outputs import StructuredOutputsParams
 
-MAX_LOGPROBS = 20  # OpenAI's cap on top log-probabilities per token
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 
 
@@ -47,7 +46,7 @@ class Bounds:
 # Every numeric setting's interval, by field name (the API's schema takes them from here).
 BOUNDS = {
     "n": Bounds(1, integer=True),
-    "max_tokens": Bounds(1, integer=True),
+    "max_tokens": Bounds(0, integer=True, note="; 0: score the prompt only"),
     "min_tokens": Bounds(0, integer=True),
     "temperature": Bounds(0),
     "top_p": Bounds(0, 1, low_open=True),
@@ -56,8 +55,8 @@ BOUNDS = {
     "presence_penalty": Bounds(-2, 2),
     "frequency_penalty": Bounds(-2, 2),
     "repetition_penalty": Bounds(0, low_open=True),
-    "logprobs": Bounds(0, MAX_LOGPROBS, integer=True),
-    "prompt_logprobs": Bounds(0, MAX_LOGPROBS, integer=True),
+    "logprobs": Bounds(0, integer=True, note="; at most the engine's max_logprobs, 20 by default"),
+    "prompt_logprobs": Bounds(0, integer=True, note="; at most the engine's max_logprobs, 20 by default"),
 }
 _OPTIONAL = {"logprobs", "prompt_logprobs"}  # None there means "not asked for"
 
@@ -67,7 +66,7 @@ class SamplingParams:
     """Decoding settings of one request, and its scheduling priority; validated on creation."""
 
     n: int = 1  # continuations per prompt; they share the prompt's KV pages
-    max_tokens: int = 16  # most tokens to generate
+    max_tokens: int = 16  # most tokens to generate; 0 scores the prompt (prompt_logprobs) and generates none
     min_tokens: int = 0  # EOS and stop token ids are ignored until this many tokens exist
     temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
@@ -77,7 +76,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
-    seed: int | None = None  # per-request RNG seed; same seed, same tokens
+    seed: int | None = None  # per-request RNG seed, 64 bits, all of them used; same seed, same tokens
     stop: tuple[str, ...] = ()  # strings that end generation; excluded from the text
     stop_token_ids: tuple[int, ...] = ()  # token ids that end generation besides EOS
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
@@ -119,7 +118,8 @@ class SamplingParams:
                  f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
         _require(all(t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
                  "logit_bias maps token ids >= 0 to biases in [-100, 100]")
-        _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
+        _require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
+                 f"seed must be a 64-bit integer (from -2**63 to 2**63 - 1), got {self.seed!r}")
         _require(_is_int(self.priority), "priority", f"priority must be an integer, got {self.priority!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

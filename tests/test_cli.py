@@ -26,7 +26,7 @@ def test_generate_on_the_builtin_model():
 @pytest.mark.parametrize("args, message", [
     (["generate", "--model", "/nonexistent/model"], "/nonexistent/model"),
     (["generate", "--dtype", "float7"], "unknown dtype"),
-    (["generate", "--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["generate", "--max-tokens", "-1"], "max_tokens must be >= 0"),
     (["generate", "--config", "configs/tiny-cpu.yaml", "--prompt", ""], "prompt is empty"),
     (["generate", "--config", "/nonexistent.yaml"], "config file not found"),
     (["convert", "/nonexistent/hf", "/tmp/out"], "/nonexistent/hf"),
@@ -37,6 +37,8 @@ def test_generate_on_the_builtin_model():
     (["serve", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "unknown method"),
     (["serve", "--api-keys-file", "/nonexistent/keys.yaml"], "api keys file not found"),
     (["serve", "--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["run-batch", "-i", "README.md", "-o", "/tmp/out.jsonl", "--lora-modules", "a=/x"],
+     "--lora-modules needs --enable-lora"),
     (["serve", "--enable-lora", "--lora-modules", "a"], "must be name=path"),
     (["serve", "--api-key", "k", "--api-keys-file", "/nonexistent/keys.yaml"], "exclude each other"),
     (["serve", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),

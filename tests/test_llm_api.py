@@ -55,6 +55,37 @@ def test_seeded_sampling_reproduces_and_differs_across_seeds(tiny_llm):
 
     assert run(11) == run(11)
     assert run(11) != run(12)
+    # All 64 bits count: seeds equal modulo 2**32 draw differently (they used to alias), and int64's ends are taken.
+    assert run(1) != run(2**32 + 1) and run(0) != run(2**62)
+    assert run(2**63 - 1) == run(2**63 - 1) != run(-2**63)
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_not_cut(tiny_llm):
+    """vLLM's rule: asking for more top log-probabilities than the engine computes is an error, never fewer."""
+    limit = tiny_llm.config.max_logprobs
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidRequestError, match=f"at most {limit}") as refused:
+            tiny_llm.generate("x", SamplingParams(max_tokens=2, **{field: limit + 1}), use_tqdm=False)
+        assert refused.value.param == field
+    assert len(_only(tiny_llm.generate("x", SamplingParams(max_tokens=2, logprobs=limit),
+                                       use_tqdm=False)).logprobs[0]) >= limit
+
+
+def test_max_tokens_0_scores_a_prompt_that_fills_the_context(tiny_llm):
+    """Scoring (prompt_logprobs with max_tokens 0) generates nothing, so the prompt may be max_model_len long; its
+    logprobs are the ones a longer request gets for the same prompt tokens."""
+    ids = list(range(5, 5 + tiny_llm.max_model_len))
+    [scored] = tiny_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=0, prompt_logprobs=1),
+                                 use_tqdm=False)
+    assert scored.outputs[0].token_ids == () and scored.outputs[0].text == ""
+    assert scored.outputs[0].finish_reason == "length" and len(scored.prompt_logprobs) == len(ids)
+    [shorter] = tiny_llm.generate({"prompt_token_ids": ids[:-1]}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                                  use_tqdm=False)
+    for full, cut in zip(scored.prompt_logprobs[1:], shorter.prompt_logprobs[1:]):
+        assert {t: c.logprob for t, c in full.items()} == pytest.approx({t: c.logprob for t, c in cut.items()},
+                                                                        abs=1e-5)
+    with pytest.raises(InvalidRequestError, match="at least one token must be generated"):
+        tiny_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 def test_stop_token_id_ends_generation_and_stays_out_of_text(tiny_llm):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.entrypoints.batch_runner import _parse_line
+from jaxserve.entrypoints.batch_runner import BatchModels, _parse_line
 from jaxserve.errors import InvalidRequestError
 
 BAD_PROMPTS = [
@@ -41,7 +41,7 @@ def _offline_error(llm, prompt) -> InvalidRequestError:
 
 def _batch_error(llm, body_prompt) -> dict:
     line = json.dumps({"custom_id": "x", "url": "/v1/completions", "body": {"prompt": body_prompt, "max_tokens": 1}})
-    return _parse_line(llm, 1, line).error["error"]
+    return _parse_line(llm, 1, line, BatchModels(("tiny",))).error["error"]
 
 
 @pytest.mark.parametrize("token_ids, message", BAD_PROMPTS)

@@ -118,3 +118,12 @@ def test_priority_reaches_the_sampling_params(model, base, chat):
     for sent, expected in [({"priority": -3}, -3), ({"priority": None}, 0), ({}, 0)]:
         fields = parse_body(model, json.dumps({**base, **sent})).model_dump(exclude_none=True)
         assert sampling_params_from_body(fields, chat=chat, default_max_tokens=4).priority == expected
+
+
+def test_openai_answer_fields_echoed_back_in_the_history_pass_when_empty():
+    """Clients append OpenAI's answer message to the history as it came (annotations [], audio null)."""
+    echoed = {"role": "assistant", "content": "Hello", "annotations": [], "audio": None, "refusal": None}
+    body = {**CHAT, "messages": [*CHAT["messages"], echoed, {"role": "user", "content": "More"}]}
+    assert len(parse_body(ChatCompletionRequestBody, json.dumps(body)).messages) == len(body["messages"])
+    with pytest.raises(InvalidRequestError, match="annotations is not supported"):
+        parse_body(ChatCompletionRequestBody, json.dumps({**body, "messages": [{**echoed, "annotations": [{"a": 1}]}]}))

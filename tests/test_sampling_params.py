@@ -7,16 +7,17 @@ from jaxserve.errors import InvalidRequestError
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
-    (dict(logprobs=21), "logprobs"),
     (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(seed=1.5), "seed"),
+    (dict(seed=2**63), "seed"),  # outside int64, as vLLM's bound
+    (dict(seed=-2**63 - 1), "seed"),
     (dict(max_tokens=True), "max_tokens"),
     (dict(priority=1.5), "priority"),
     (dict(priority=True), "priority"),
@@ -50,7 +51,7 @@ def test_greedy_when_temperature_zero_or_top_k_one():
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(logit_bias={"x": 1.0}), "logit_bias"),
     (dict(logit_bias={5: 200.0}), "logit_bias"),
-    (dict(prompt_logprobs=50), "prompt_logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
 ])
 def test_out_of_range_extended_values_are_rejected(kwargs, param):
     with pytest.raises(InvalidRequestError) as info:

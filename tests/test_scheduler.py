@@ -349,6 +349,60 @@ def test_aging_lets_a_less_urgent_request_past_later_urgent_arrivals(aging_steps
     assert [rid for rid in sorted(started, key=started.get) if rid != "r0"] == [f"r{k + 1}" for k in range(12)]
 
 
+def _lora_request(request_id: str, lora_id: int, max_tokens: int, arrival: int) -> Request:
+    return Request(request_id, (1, 2, 3 + arrival), SamplingParams(max_tokens=max_tokens), arrival, lora_id=lora_id)
+
+
+def _finish_done(scheduler: Scheduler, ids) -> None:
+    """What the engine does after reading a step back: requests with all their tokens are finished."""
+    for request_id in ids:
+        request = scheduler.get_request(request_id)
+        if request is not None and request.num_output_tokens >= request.max_new_tokens:
+            scheduler.finish_request(request_id, "length")
+
+
+def test_requests_behind_one_waiting_for_an_adapter_slot_go_first():
+    """One slot, held by adapter 1's long request: adapter 2's request waits for it, and base-model requests and
+    adapter 1's requests behind it start at once instead of waiting ~100 steps (head-of-line blocking)."""
+    scheduler = Scheduler(make_config(enable_lora=True, max_loras=1, max_model_len=128, num_kv_pages=128))
+    scheduler.add_request(_lora_request("long", 1, 100, 0))
+    scheduler.add_request(_lora_request("other-adapter", 2, 4, 1))
+    scheduler.add_request(_lora_request("base", 0, 2, 2))
+    scheduler.add_request(_lora_request("same-adapter", 1, 2, 3))
+    assert _step(scheduler) == ["long", "base", "same-adapter"]
+    started = {}
+    for step in range(1, 200):
+        ids = _step(scheduler)
+        for request_id in ids:
+            started.setdefault(request_id, step)
+        _finish_done(scheduler, ids)
+        if not scheduler.has_unfinished_requests():
+            break
+    assert started["other-adapter"] >= 99  # its slot frees when "long" has its 100 tokens
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_a_request_waiting_for_an_adapter_slot_is_passed_over_for_a_bounded_number_of_steps():
+    """A stream of adapter-1 requests would keep adapter 1's one slot busy forever; after max_lora_wait_steps nothing
+    passes adapter 2's request, the stream's requests drain, and it starts."""
+    wait = 5
+    scheduler = Scheduler(make_config(enable_lora=True, max_loras=1, max_model_len=128, num_kv_pages=128,
+                                      max_lora_wait_steps=wait))
+    scheduler.add_request(_lora_request("first", 1, 3, 0))
+    scheduler.add_request(_lora_request("other-adapter", 2, 2, 1))
+    started = {}
+    for step in range(60):
+        scheduler.add_request(_lora_request(f"stream-{step}", 1, 3, 2 + step))
+        ids = _step(scheduler)
+        for request_id in ids:
+            started.setdefault(request_id, step)
+        _finish_done(scheduler, ids)
+    # Passed over while it waited up to the bound; then the stream waits for it, and it starts once the requests
+    # that started before the bound have their 3 tokens.
+    assert [started[f"stream-{k}"] for k in range(wait)] == list(range(wait))
+    assert started[f"stream-{wait}"] > started["other-adapter"] == wait + 2
+
+
 def test_fcfs_refuses_a_priority_and_changes_nothing():
     scheduler = Scheduler(make_config())
     with pytest.raises(InvalidRequestError, match="--scheduling-policy priority") as refused:

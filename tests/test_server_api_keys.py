@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import signal
+from unittest import mock
 
 import httpx
 import httpx2
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.errors import ConfigError
+from jaxserve.errors import ConfigError, InvalidRequestError
 from jaxserve.server import api_keys as api_keys_module
 from jaxserve.server.api_keys import ApiKeys, reload_api_keys
 from jaxserve.server.api_keys_file import ApiKeySpec, load_api_keys_file
@@ -397,15 +398,20 @@ def test_a_request_the_engine_refuses_after_admission_gives_its_slot_back(tiny_l
     write_keys(tmp_path / "keys.yaml", *ALL_KEYS)
 
     async def scenario(served):
-        for stream in (False, True):
-            # The engine checks stop_token_ids against the vocabulary when the request reaches it, after admission.
-            refused = await served.post(SINGLE["key"], completion(2, stream=stream, stop_token_ids=[10**6]))
-            assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop_token_ids"
-            assert served.context.api_keys.quota("single").in_flight == 0
+        # What the engine would refuse is refused while the body is checked, before admission takes anything...
+        early = await served.post(SINGLE["key"], completion(2, stop_token_ids=[10**6]))
+        assert early.status_code == 400 and early.json()["error"]["param"] == "stop_token_ids"
+        # ...and a refusal only the engine thread can make (here: an adapter unloaded meanwhile) gives it all back.
+        refusal = InvalidRequestError("the LoRA adapter was unloaded", param="model")
+        with mock.patch.object(served.context.engine.engine, "add_request", side_effect=refusal):
+            for stream in (False, True):
+                refused = await served.post(SINGLE["key"], completion(2, stream=stream))
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+                assert served.context.api_keys.quota("single").in_flight == 0
         return await served.metrics()
 
     samples = run_served(tiny_llm, tmp_path / "keys.yaml", scenario)
-    assert samples[("jaxserve:api_key_requests_total", (("key_name", "single"),))] == 2  # both were admitted
+    assert samples[("jaxserve:api_key_requests_total", (("key_name", "single"),))] == 2  # the last two were admitted
 
 
 def test_metrics_count_by_key_name_and_never_show_a_key(tiny_llm, tmp_path):
@@ -424,6 +430,30 @@ def test_metrics_count_by_key_name_and_never_show_a_key(tiny_llm, tmp_path):
     assert samples[("jaxserve:api_key_prompt_tokens_total", (("key_name", "open"),))] == len(PROMPT)
     assert samples[("jaxserve:api_key_generation_tokens_total", (("key_name", "open"),))] == 3
     assert samples[("jaxserve:api_key_requests_total", (("key_name", "paced"),))] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_scoring_with_max_tokens_0_counts_what_usage_says(tiny_llm, tmp_path, stream):
+    """echo with max_tokens 0 (how evaluation scripts score a prompt) generates nothing: the key's quota and the
+    metrics count its prompt and no generated token, exactly the usage the client sees."""
+    write_keys(tmp_path / "keys.yaml", OPEN)
+    body = {"model": MODEL, "prompt": [PROMPT, PROMPT[:4]], "max_tokens": 0, "echo": True, "logprobs": 1, "n": 2}
+
+    async def scenario(served):
+        async with served.openai(OPEN["key"]) as client:
+            if stream:
+                events = [event async for event in await client.completions.create(
+                    **body, stream=True, stream_options={"include_usage": True})]
+                answered = events[-1].usage
+            else:
+                answered = (await client.completions.create(**body)).usage
+        return answered, await served.metrics()
+
+    answered, samples = run_served(tiny_llm, tmp_path / "keys.yaml", scenario)
+    assert answered.completion_tokens == 0 and answered.prompt_tokens == len(PROMPT) + 4
+    assert samples[("jaxserve:api_key_generation_tokens_total", (("key_name", "open"),))] == 0
+    assert samples[("jaxserve:api_key_prompt_tokens_total", (("key_name", "open"),))] == answered.prompt_tokens
+    assert samples[("jaxserve:generation_tokens_total", ())] == 0
 
 
 def test_reload_swaps_keys_keeps_in_flight_accounting_and_refuses_a_bad_file(tiny_llm, tmp_path, caplog):

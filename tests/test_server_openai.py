@@ -5,7 +5,10 @@ priority, the offline oracle first come, first served)."""
 
 import concurrent.futures
 import json
+import os
 import re
+import subprocess
+import sys
 from typing import Annotated, Literal
 
 import httpx
@@ -22,6 +25,7 @@ from jaxserve.entrypoints.protocol_responses import (ChatCompletionChunk, ChatCo
 from jaxserve.outputs import Logprob
 from jaxserve.config import load_config
 from tests.live_server import TINY_CONFIG, running_server
+from tests.tokenizer_fixtures import BUILTIN_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +98,105 @@ def test_streamed_completion_logprobs_join_to_the_non_streamed_ones(client):
         events = [c.logprobs for c in streamed if c.index == index and c.logprobs is not None]
         for field in ("tokens", "token_logprobs", "text_offset"):
             assert [x for event in events for x in getattr(event, field)] == getattr(answer.logprobs, field), field
+
+def _usage_by_choice(events, tokens_of):
+    """Per choice index: (tokens its events carried, the continuous usage each of its events reported);
+    `tokens_of(choice, first)`: the generated tokens an event carries (`first`: the choice's first event)."""
+    carried, reported = {}, {}
+    for event in events:
+        for choice in event.choices:
+            first = choice.index not in carried
+            carried[choice.index] = carried.get(choice.index, 0) + tokens_of(choice, first)
+            reported.setdefault(choice.index, []).append((carried[choice.index], event.usage))
+    return carried, reported
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(server, client, echo):
+    """vLLM's continuous_usage_stats (what guidellm asks for): every event carries its choice's prompt tokens and the
+    tokens generated for it so far; the last event still has the whole usage."""
+    request = dict(model=MODEL, prompt=[PROMPT, "Hi"], max_tokens=7, temperature=1, seed=5, n=2, logprobs=1,
+                   echo=echo)
+    whole = client.completions.create(**request)
+    *events, last = client.completions.create(**request, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True})
+    prompt_tokens = [httpx.post(server.base_url + "/tokenize", json={"prompt": p}).json()["count"]
+                     for p in request["prompt"]]
+
+    def tokens_of(choice, first):  # with echo, a choice's first event starts with its prompt's tokens
+        echoed = prompt_tokens[choice.index // 2] if echo and first else 0
+        return len(choice.logprobs.tokens) - echoed
+
+    carried, reported = _usage_by_choice(events, tokens_of)
+    assert sorted(reported) == [0, 1, 2, 3]
+    for index, steps in reported.items():
+        for so_far, usage in steps:
+            assert usage.prompt_tokens == prompt_tokens[index // 2]
+            assert usage.completion_tokens == so_far and usage.total_tokens == so_far + usage.prompt_tokens
+    assert sum(carried.values()) == whole.usage.completion_tokens == last.usage.completion_tokens
+    assert last.choices == [] and last.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_continuous_usage_stats_in_chat_start_at_zero_with_the_role(client):
+    request = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True)
+    whole = client.chat.completions.create(**request)
+    first, *events, last = client.chat.completions.create(**request, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True})
+    assert first.choices[0].delta.role == "assistant" and first.usage.completion_tokens == 0
+    carried, reported = _usage_by_choice(events, lambda c, _: len(c.logprobs.content) if c.logprobs else 0)
+    assert [usage.completion_tokens for _, usage in reported[0]] == [so_far for so_far, _ in reported[0]]
+    assert carried[0] == whole.usage.completion_tokens == last.usage.completion_tokens
+    assert {usage.prompt_tokens for _, usage in reported[0]} == {whole.usage.prompt_tokens}
+
+
+def test_continuous_usage_needs_include_usage(client):
+    """As in vLLM: continuous_usage_stats alone adds nothing."""
+    events = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, stream=True,
+                                            stream_options={"continuous_usage_stats": True}))
+    assert events and all(event.usage is None and event.choices for event in events)
+
+
+def test_guidellm_benchmark_run_has_no_errored_request(server, tmp_path):
+    """guidellm (the serving benchmark vLLM recommends) streams /v1/completions with every request field it sends
+    (continuous_usage_stats, ignore_eos, stop null) and reads the usage of each event: every request succeeds and
+    its output tokens are the ones asked for."""
+    scenario = {"metadata": {"name": "smoke"}, "spec": {
+        "backend": {"kind": "openai_http", "target": server.base_url, "model": MODEL,
+                    "request_format": "/v1/completions"},
+        "profile": {"kind": "concurrent", "streams": 3},
+        "tokenizer": {"kind": "huggingface_auto", "model": str(BUILTIN_DIR)},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": 24, "output_tokens": 6}],
+        "constraints": [{"kind": "max_requests", "count": 9}, {"kind": "max_duration", "seconds": 120}]}}
+    (tmp_path / "scenario.json").write_text(json.dumps(scenario))
+    report = tmp_path / "report.json"
+    run = subprocess.run([sys.executable, "-m", "guidellm", "run", "--scenario", str(tmp_path / "scenario.json"),
+                          "--output", f"kind=json,path={report}"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [benchmark] = json.loads(report.read_text())["benchmarks"]
+    requests = benchmark["requests"]
+    assert requests["errored"] == [] and requests["incomplete"] == []
+    assert len(requests["successful"]) == 9
+    assert {r["output_metrics"]["text_tokens"] for r in requests["successful"]} == {6}
+
+
+@pytest.mark.parametrize("max_tokens", [0, 5])
+def test_streamed_echo_with_logprobs_joins_to_the_whole_answer(client, max_tokens):
+    """As vLLM: each choice's first event starts with its prompt and the prompt's log-probabilities (max_tokens 0:
+    the prompt alone, scored, which lm-evaluation-harness-style scoring streams too)."""
+    request = dict(model=MODEL, prompt=[PROMPT, "Hi there"], max_tokens=max_tokens, temperature=0, logprobs=2,
+                   echo=True, n=2)
+    whole = client.completions.create(**request).choices
+    streamed = [c.choices[0] for c in client.completions.create(**request, stream=True)]
+    for answer in whole:
+        events = [c for c in streamed if c.index == answer.index]
+        assert "".join(c.text for c in events) == answer.text
+        assert events[-1].finish_reason == answer.finish_reason == "length"
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            joined = [x for c in events if c.logprobs is not None for x in getattr(c.logprobs, field)]
+            assert joined == getattr(answer.logprobs, field), field
+        assert answer.logprobs.token_logprobs[0] is None  # nothing predicts the first prompt token
+
 
 def test_completion_n_2_gives_two_indexed_choices(client):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1, seed=3, n=2)
@@ -314,6 +417,19 @@ def test_tokenize_and_detokenize_round_trip(server, oracle):
             == with_bos["tokens"]
 
 
+def test_tokenize_counts_prompts_and_conversations_past_the_context_alike(server, oracle):
+    """One rule for both forms, as vLLM's /tokenize: counted whatever their length (the conversation used to be
+    refused at max_model_len tokens while a prompt of any length was counted)."""
+    long_text = "word " * oracle.max_model_len
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        prompt = http.post("/tokenize", json={"prompt": long_text})
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": long_text}]})
+    assert prompt.status_code == chat.status_code == 200, chat.text
+    assert prompt.json()["count"] > oracle.max_model_len and chat.json()["count"] > prompt.json()["count"]
+    assert chat.json()["tokens"] == list(oracle.tokenizer.encode(oracle.tokenizer.apply_chat_template(
+        [{"role": "user", "content": long_text}], add_generation_prompt=True), add_special_tokens=False))
+
+
 def test_tokenizer_info_has_what_lm_eval_reads(server, oracle):
     info = httpx.get(server.base_url + "/tokenizer_info", timeout=30).json()
     tokenizer = oracle.tokenizer
@@ -335,6 +451,11 @@ DECLARED_ANSWERS = [
      ChatCompletionResponse),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "stream": True,
                               "stream_options": {"include_usage": True}}, ChatCompletionChunk),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True, "echo": True,
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, CompletionChunk),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True,
+                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     ChatCompletionChunk),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 30, "tools": [SMALL_TOOL], "tool_choice": "required"},
      ChatCompletionResponse),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 30, "tools": [SMALL_TOOL], "tool_choice": "required",

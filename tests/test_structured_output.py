@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams, StructuredOutputsParams
-from jaxserve.errors import InvalidRequestError
+from jaxserve.errors import ConstraintFailedError, InvalidRequestError
+from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.runner.sampler import _apply_token_mask
 
 PROMPT = "Hello"
@@ -133,6 +134,25 @@ def test_the_grammars_end_wins_over_min_tokens(tiny_llm):
         params = _constrained(StructuredOutputsParams(regex=regex), 1.0, min_tokens=8)
         [completion] = tiny_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
         assert (completion.text, completion.finish_reason) == (text, "stop")
+
+
+NO_FINITE_OUTPUT = 'start: "a" start'  # every string of it goes on forever: the grammar engine fails after "a"
+
+
+def test_a_grammar_that_cannot_go_on_fails_its_request_instead_of_stopping_it(tiny_llm):
+    """The grammar engine's error state is not an end: before, this came back as the text "a", finish_reason stop.
+    The request fails with an error naming its constraint; the engine, and requests beside it, go on."""
+    params = _constrained(StructuredOutputsParams(grammar=NO_FINITE_OUTPUT), 0.0)
+    with pytest.raises(ConstraintFailedError, match="cannot go on after 1 generated tokens") as failed:
+        tiny_llm.generate([PROMPT], params, use_tqdm=False)
+    assert failed.value.param == "structured_outputs"
+    assert tiny_llm.engine.stats().num_running == tiny_llm.engine.stats().num_pages_used == 0
+    prompts = [tiny_llm.tokenizer.encode(PROMPT)] * 3
+    fine = _constrained(StructuredOutputsParams(regex="ab"), 0.0)
+    results = tiny_llm.run_each([TokenizedPrompt(None, tuple(p)) for p in prompts], [fine, params, fine],
+                                [None] * 3, use_tqdm=False)
+    assert isinstance(results[1], ConstraintFailedError)
+    assert [r.outputs[0].text for r in (results[0], results[2])] == ["ab", "ab"]
 
 
 def test_a_grammar_compiled_too_slowly_is_refused_and_the_next_request_is_not_held(tiny_llm):

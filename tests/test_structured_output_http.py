@@ -135,6 +135,19 @@ def test_an_invalid_constraint_is_a_400_naming_its_field(http, endpoint, stream,
     _assert_openai_error(http.post(ENDPOINTS[endpoint], json=_body(endpoint, stream=stream, **fields)), 400, param)
 
 
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_a_grammar_that_cannot_go_on_is_an_error_not_a_stop(http, endpoint):
+    """A 400 naming the constraint, streamed too: the grammar fails with the first token, before any event went out
+    (a later failure is the stream's last event, the status being out)."""
+    from tests.test_structured_output import NO_FINITE_OUTPUT
+
+    fields = {"guided_grammar": NO_FINITE_OUTPUT}
+    for stream in (False, True):
+        response = http.post(ENDPOINTS[endpoint], json=_body(endpoint, stream=stream, **fields))
+        _assert_openai_error(response, 400, "structured_outputs")
+        assert "cannot go on" in response.json()["error"]["message"]
+
+
 def _refuse_them_all(http: httpx.Client) -> None:
     for _, fields, param in BAD_CONSTRAINTS:
         for endpoint in ENDPOINTS:

@@ -134,7 +134,7 @@ def test_tool_parameter_schemas_get_the_same_check():
     with pytest.raises(InvalidRequestError) as refused:
         tool_schema_checks(_tools(good, bad))
     fault = _oracle(bad)
-    assert refused.value.param == "tools"
+    assert refused.value.param == "tools[1].function.parameters"  # OpenAI's name of the field at fault
     assert str(refused.value) == (f"tools[1].function.parameters is not a usable JSON Schema: the JSON schema is not "
                                   f"valid: {fault.message} (at {fault.json_path})")
 

@@ -2,9 +2,14 @@
 back as content, and the grammar that forces calls makes even the built-in random model answer with calls whose
 arguments match their schemas (jsonschema is the oracle)."""
 
+import enum
 import json
+from typing import Optional
 
 import jsonschema
+import numpy as np
+import openai
+import pydantic
 import pytest
 
 from jaxserve import SamplingParams
@@ -133,3 +138,71 @@ def test_tool_calling_names_its_tools_and_their_schemas():
     calling = _calling()
     assert isinstance(calling, ToolCalling) and calling.names == ("get_weather", "get_time")
     assert calling.parameter_schemas() == [(0, SCHEMAS["get_weather"]), (1, SCHEMAS["get_time"])]
+
+
+class Color(str, enum.Enum):
+    red = "red"
+    green = "green"
+
+
+class Point(pydantic.BaseModel):
+    x: int
+    y: int
+
+
+class Shape(pydantic.BaseModel):
+    """Nested models, an enum, an optional field and a list of models: pydantic writes $defs and $refs."""
+
+    color: Color
+    points: list[Point]
+    label: Optional[str] = None
+
+
+class Chain(pydantic.BaseModel):
+    """A recursive model: its $ref points at its own definition."""
+
+    value: int
+    next: Optional["Chain"] = None
+
+
+PYDANTIC_CALLS = [  # (the model, instances that are valid calls of it)
+    (Shape, [Shape(color=Color.red, points=[Point(x=1, y=2)], label=None),
+             Shape(color=Color.green, points=[], label="a")]),
+    (Chain, [Chain(value=1, next=Chain(value=2, next=None)), Chain(value=3)]),
+]
+
+
+@pytest.mark.parametrize("model, instances", PYDANTIC_CALLS, ids=[m.__name__ for m, _ in PYDANTIC_CALLS])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_of_tools_with_defs_and_refs_compile_and_accept_exactly_valid_arguments(tiny_llm, model,
+                                                                                          instances, choice):
+    """The official client's pydantic_function_tool writes $defs/$ref (and strict, recursive) schemas; the grammar
+    that forces calls nests them one level down and must resolve them there: valid calls (pydantic's own dumps) are
+    accepted to the end, and a value outside the enum or a missing field is not."""
+    tool = openai.pydantic_function_tool(model)
+    assert "$defs" in tool["function"]["parameters"]
+    name = tool["function"]["name"]
+    calling = _calling("required" if choice == "required" else {"type": "function", "function": {"name": name}},
+                       parallel=False, tools=(WEATHER, tool))
+    grammar = tiny_llm.engine.grammars.check(calling.constraint())
+
+    def accepts(arguments: str) -> bool:
+        matcher = grammar.matcher()
+        text = json.dumps({"name": name, "parameters": json.loads(arguments)}, separators=(",", ":"))
+        ids = tiny_llm.tokenizer.encode(text, add_special_tokens=False)
+        return all(_take(matcher, token) for token in ids) and matcher.accepts_end
+
+    for instance in instances:
+        assert accepts(instance.model_dump_json())
+        model.model_validate_json(instance.model_dump_json())  # pydantic agrees it is valid
+    broken = json.loads(instances[0].model_dump_json())
+    broken.pop(next(iter(broken)))
+    assert not accepts(json.dumps(broken))
+
+
+def _take(matcher, token: int) -> bool:
+    allowed = np.unpackbits(matcher.next_mask().view(np.uint8), bitorder="little")
+    if not allowed[token]:
+        return False
+    matcher.accept(token)
+    return True

@@ -226,9 +226,11 @@ class AsyncEngine:
         if events:
             self._call_on_loop(self._deliver, events)
 
-    def _events(self, finished: list[RequestOutput]) -> list[tuple[str, EngineEvent]]:
-        """The streaming requests' new tokens since the last step, then the requests `finished`."""
-        return [(d.request_id, d) for d in self.engine.pop_deltas()] + [(o.request_id, o) for o in finished]
+    def _events(self, finished: list[RequestOutput]) -> list[tuple[str, EngineEvent | BaseException]]:
+        """The streaming requests' new tokens since the last step, then the requests `finished` and those that
+        ended with an error of their own."""
+        return ([(d.request_id, d) for d in self.engine.pop_deltas()] + [(o.request_id, o) for o in finished]
+                + self.engine.pop_failed())
 
     def _call_on_loop(self, callback, *args) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to hear

@@ -37,13 +37,14 @@ from jaxserve.engine.draft_model import DraftModelProposer, plan_draft_model
 from jaxserve.engine.startup import start_runner
 from jaxserve.engine.step_phases import StepPhaseTimes
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
-from jaxserve.errors import InvalidRequestError, ModelNotFoundError
+from jaxserve.errors import ConstraintFailedError, InvalidRequestError, JaxserveError, ModelNotFoundError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
 from jaxserve.runner.step_results import AcceptedDrafts, PendingStep, PromptScores, SampledBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.schedule import ScheduledSequence, SchedulerOutput
 from jaxserve.speculative_config import DRAFT_MODEL_METHOD
+from jaxserve.structured_outputs import PARAM
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -118,6 +119,7 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         self._deltas: list[CompletionDelta] = []
         self._finished: list[RequestOutput] = []  # finished in the current step() (or one that failed): pop_finished
+        self._failed: list[tuple[str, JaxserveError]] = []  # (request id, why) ended with an error: pop_failed
         self.phase_times = StepPhaseTimes()  # host time per phase of step(), summed
 
     def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], params: SamplingParams,
@@ -138,9 +140,7 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         ids = tuple(prompt_token_ids)
-        check_prompt_tokens(ids, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len)
-        max_new = self._max_new_tokens(len(ids), params)
-        self._check_runner_limits(params)
+        max_new = self.check_request(ids, params)
         lora_id = self._lora_id(lora_request, load_lora)
         arrivals = [next(self._arrivals) for _ in range(params.n)]
         # Scheduler ids unique per arrival, whatever the caller's ids: an id reused after an abort, while a step of the
@@ -156,7 +156,8 @@ class LLMEngine:
             grammar = self.grammars.check(constraint)  # may refuse
         grammars = [grammar.matcher() if grammar is not None else None for _ in children]
         for index, (child, arrival) in enumerate(zip(children, arrivals)):
-            self.scheduler.add_request(Request(child, ids, params, arrival, max_new_tokens=max_new,
+            # A prompt-only request (max_tokens 0) still samples once, at its last prompt position, and drops it.
+            self.scheduler.add_request(Request(child, ids, params, arrival, max_new_tokens=max(max_new, 1),
                                                # As vLLM: continuation i draws with seed + i.
                                                seed=base_seed + index, eos_token_ids=self.tokenizer.eos_token_ids,
                                                grammar=grammars[index], lora_id=lora_id))
@@ -166,6 +167,19 @@ class LLMEngine:
             if constraint:
                 self._constrained.add(child)
         self._tracked[request_id] = tracked
+
+    def check_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> int:
+        """Raises InvalidRequestError, changing nothing, if `add_request` would refuse this prompt and params for
+        anything but its LoRA adapter or grammar (the model's and the step programs' limits, the scheduler's
+        admission); returns the most tokens it will generate. Every way in checks each request with it before
+        running any, so that one bad request never stops the others."""
+        ids = tuple(prompt_token_ids)
+        check_prompt_tokens(ids, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
+                            generates=params.max_tokens > 0)
+        max_new = self._max_new_tokens(len(ids), params)
+        self._check_runner_limits(params)
+        self.scheduler.check_admissible(len(ids), max(max_new, 1), params.priority, scores_only=params.max_tokens == 0)
+        return max_new
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Serves a LoRA adapter to requests from now on (vLLM's `add_lora`); False if it was served already."""
@@ -274,6 +288,12 @@ class LLMEngine:
         self._schedule_and_dispatch()
         return self.pop_finished()
 
+    def pop_failed(self) -> list[tuple[str, JaxserveError]]:
+        """The requests that ended with an error of their own since the last call (their output constraint failed),
+        each with the error its caller gets instead of an output; the engine and the other requests go on."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def pop_finished(self) -> list[RequestOutput]:
         """The requests finished since the last call: after a step raised, those it finished first (their callers
         must hear of them before `abort_all_requests` ends the others)."""
@@ -352,7 +372,8 @@ class LLMEngine:
         finished = []
         with self.phase_times.timing("outputs"):
             for row, scheduled in enumerate(read_back.schedule.sequences):
-                if scheduled.request_id in read_back.sampled:
+                # (A continuation may have ended meanwhile with its request: its output constraint failed.)
+                if scheduled.request_id in read_back.sampled and scheduled.request_id in self._parent_of:
                     output = self._append_run(scheduled, read_back.accepted.get(scheduled.request_id),
                                               read_back.batch, row)
                     finished += [output] if output is not None else []
@@ -383,12 +404,22 @@ class LLMEngine:
         tracked = self._tracked[self._parent_of[child]]
         sequence = tracked.sequences[child]
         grammar = self.scheduler.get_request(child).grammar
+        if grammar is not None and grammar.failure is not None:
+            self._fail(tracked, ConstraintFailedError(
+                f"the output constraint cannot go on after {len(sequence.token_ids) + 1} generated tokens (the grammar "
+                f"allows no complete output from there): {grammar.failure}", param=PARAM))
+            return None
         text = sequence.append(token, grammar_done=grammar is not None and grammar.done)
         if tracked.stream:
+            kept = sequence.max_new_tokens > 0  # a prompt-only request's one sample is not an output
+            # The whole prompt is scored before a continuation's first token is sampled.
+            first = len(sequence.token_ids) == int(kept)
             self._deltas.append(CompletionDelta(
-                request_id=tracked.request_id, index=sequence.index, text=text, token_ids=(token.token_id,),
+                request_id=tracked.request_id, index=sequence.index, text=text,
+                token_ids=(token.token_id,) if kept else (),
                 logprobs=sequence.logprobs[-1:] if sequence.logprobs is not None else None,
-                finish_reason=sequence.finish_reason, stop_reason=sequence.stop_reason))
+                finish_reason=sequence.finish_reason, stop_reason=sequence.stop_reason,
+                prompt_logprobs=tracked.prompt_logprobs_output() if first else None))
         if not sequence.finished:
             return None
         self.scheduler.finish_request(child, sequence.finish_reason)
@@ -400,6 +431,11 @@ class LLMEngine:
                              prompt_token_ids=tracked.prompt_token_ids,
                              outputs=[tracked.sequences[c].to_output() for c in tracked.children], finished=True,
                              prompt_logprobs=tracked.prompt_logprobs_output())
+
+    def _fail(self, tracked: _Tracked, error: JaxserveError) -> None:
+        """Ends a request with `error` (pop_failed), all its continuations with it."""
+        self.abort_request(tracked.request_id)
+        self._failed.append((tracked.request_id, error))
 
     def _forget(self, child: str) -> None:
         self._parent_of.pop(child, None)
@@ -430,6 +466,10 @@ class LLMEngine:
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids names a token outside the vocabulary [0, {self.vocab_size})",
                                       param="stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > limits.max_logprobs:
+                raise InvalidRequestError(f"{name} must be at most {limits.max_logprobs} (max_logprobs), got "
+                                          f"{getattr(params, name)}", param=name)
         if params.top_k > self.vocab_size:
             raise InvalidRequestError(f"top_k must be at most the vocabulary size ({self.vocab_size}), got "
                                       f"{params.top_k}", param="top_k")

@@ -13,20 +13,23 @@ EMPTY_PROMPT = "prompt is empty"  # also what empty prompt text gets, before it 
 
 
 def check_prompt_tokens(token_ids: Sequence[int], *, vocab_size: int, max_model_len: int,
-                        param: str = "prompt") -> None:
+                        param: str = "prompt", generates: bool = True) -> None:
     """Refuses a prompt the model cannot run: an id outside the vocabulary, no token at all, or no room left for a
-    generated one."""
+    generated one (`generates` False: the request only scores its prompt, max_tokens 0, which may fill the context)."""
     check_token_ids(token_ids, vocab_size, param)
-    check_prompt_length(len(token_ids), max_model_len, param)
+    check_prompt_length(len(token_ids), max_model_len, param, generates)
 
 
-def check_prompt_length(num_tokens: int, max_model_len: int, param: str = "prompt") -> None:
-    """Refuses an empty prompt and one that leaves no room to generate within max_model_len."""
+def check_prompt_length(num_tokens: int, max_model_len: int, param: str = "prompt", generates: bool = True) -> None:
+    """Refuses an empty prompt and one longer than max_model_len, or as long when it is to generate."""
     if num_tokens == 0:
         raise InvalidRequestError(EMPTY_PROMPT, param=param)
-    if num_tokens >= max_model_len:
+    if num_tokens > max_model_len:
+        raise InvalidRequestError(f"prompt has {num_tokens} tokens, but max_model_len is {max_model_len}",
+                                  param=param)
+    if num_tokens == max_model_len and generates:
         raise InvalidRequestError(f"prompt has {num_tokens} tokens, but max_model_len is {max_model_len} (at least "
-                                  "one token must be generated)", param=param)
+                                  "one token must be generated; max_tokens 0 scores a prompt this long)", param=param)
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:

@@ -47,7 +47,8 @@ class Request:
         # arrival from its policy (Scheduler.add_request); until then first come, first served.
         self.rank: tuple[int, int] = (0, arrival_index)
         # The engine may cap params.max_tokens to the context left; this is the number actually generated at most.
-        self.max_new_tokens = params.max_tokens if max_new_tokens is None else max_new_tokens
+        # At least one: a prompt-only request (max_tokens 0) still samples at its last prompt position (then drops it).
+        self.max_new_tokens = max(params.max_tokens if max_new_tokens is None else max_new_tokens, 1)
         self.seed = seed  # of its draws: the request's own seed, or one the engine drew for it
         self.eos_token_ids = eos_token_ids  # the tokenizer's EOS ids, which min_tokens holds back
         # Structured output: where the outputs so far leave the grammar (it follows each token as it is read back;
@@ -56,6 +57,8 @@ class Request:
         self.grammar = grammar
         self.lora_id = lora_id  # its LoRA adapter's id (LoRARequest.lora_int_id); 0: the base model
         self.lora_slot = 0  # the device slot holding that adapter while the request runs; 0: none
+        # The scheduler step at which admission first passed it over for want of an adapter slot; None: it was not
+        self.lora_wait_since: int | None = None
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         # Draft-model speculation: leading tokens whose KV the draft model holds, in its pool's copy of these pages

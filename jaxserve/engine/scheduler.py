@@ -19,7 +19,9 @@ Whatever the policy:
 - Running requests are served first, in rank order.
 - Waiting requests are admitted in rank order with head-of-line blocking: when the head does not fit (tokens, pages
   or sequence cap), nothing behind it is admitted. A request only ever waits for better-ranked ones, of which
-  finitely many can exist: starvation is bounded.
+  finitely many can exist: starvation is bounded. One exception: a request whose LoRA adapter finds every adapter
+  slot held by other adapters' running requests is passed over (as in vLLM v1) for at most `max_lora_wait_steps`
+  steps; after that it blocks the queue again, so those requests drain, a slot frees, and it is served.
 - When pages run out, the worst-ranked running request is preempted by recompute (fcfs: the newest; priority: the
   least urgent, the newest among equals, as vLLM v1 picks, aged as above): its pages go back, its computed count
   drops to zero and it returns to the waiting queue at its rank with its outputs kept. Admission guarantees that any
@@ -112,7 +114,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queues a request; raises InvalidRequestError, changing nothing, if it could never run."""
-        self._check_admissible(request)
+        self.check_admissible(request.num_prompt_tokens, request.max_new_tokens, request.params.priority,
+                              scores_only=request.params.max_tokens == 0)
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.rank = self._rank_on_arrival(request)
@@ -210,19 +213,22 @@ class Scheduler:
             return (0, request.arrival_index)
         return (request.params.priority * self.config.priority_aging_steps + self._num_steps, request.arrival_index)
 
-    def _check_admissible(self, request: Request) -> None:
-        check_priority(request.params.priority, self.config.scheduling_policy)
-        prompt_len, limit = request.num_prompt_tokens, self.max_model_len
-        usable_pages = self.num_pages - 1
-        check_prompt_length(prompt_len, limit)
-        if prompt_len + request.max_new_tokens > limit:
-            raise InvalidRequestError(f"the prompt ({prompt_len} tokens) plus max_tokens ({request.max_new_tokens}) "
+    def check_admissible(self, prompt_len: int, max_new_tokens: int, priority: int, scores_only: bool = False) -> None:
+        """Raises InvalidRequestError if a request of this prompt length, generating at most `max_new_tokens`, could
+        never run (or its priority is refused). `scores_only`: max_tokens 0, the prompt alone is computed (its one
+        sample is dropped), so it may fill the whole context."""
+        check_priority(priority, self.config.scheduling_policy)
+        limit, usable_pages = self.max_model_len, self.num_pages - 1
+        kept = 0 if scores_only else max_new_tokens
+        check_prompt_length(prompt_len, limit, generates=kept > 0)
+        if prompt_len + kept > limit:
+            raise InvalidRequestError(f"the prompt ({prompt_len} tokens) plus max_tokens ({kept}) "
                                       f"exceeds the maximum context length of {limit} tokens", param="max_tokens")
         if self._pages_for(prompt_len) > usable_pages:
             raise InvalidRequestError(f"the prompt needs {self._pages_for(prompt_len)} KV pages but the pool has "
                                       f"{usable_pages}", param="prompt")
         # The last sampled token is never fed back, so it needs no KV slot.
-        needed = self._pages_for(prompt_len + request.max_new_tokens - 1)
+        needed = self._pages_for(prompt_len + max_new_tokens - 1)
         if needed > usable_pages:
             raise InvalidRequestError(f"the prompt plus max_tokens needs {needed} KV pages but the pool has "
                                       f"{usable_pages}; lower max_tokens", param="max_tokens")
@@ -254,19 +260,28 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
-        while self._waiting and plan.token_budget > 0 and len(self._running) < self.max_num_seqs:
-            request = self._waiting[0]
+        index = 0  # waiting requests before it are passed over: they wait for a LoRA adapter slot
+        while index < len(self._waiting) and plan.token_budget > 0 and len(self._running) < self.max_num_seqs:
+            request = self._waiting[index]
             if request.num_tokens_to_compute == 0:
                 break  # its last output is sampled; it waits only for finish_request
+            if self.adapter_slots is not None and not self.adapter_slots.can_acquire(request.lora_id):
+                # Every slot is in use by other adapters' running requests: those behind it may go first (as in
+                # vLLM v1), for a while; past that, nothing passes it, so running requests drain and free a slot.
+                if request.lora_wait_since is None:
+                    request.lora_wait_since = self._num_steps
+                if self._num_steps - request.lora_wait_since >= self.config.max_lora_wait_steps:
+                    break
+                index += 1
+                continue
             match = self._cached_prefix(request)
             num_hit = match.num_pages * self.page_size
             num_new = self._chunk_size(request.num_tokens_to_compute - num_hit, plan.token_budget)
             new_pages = self._pages_for(num_hit + num_new) - match.num_pages
             if not num_new or new_pages > self.pool.num_allocatable - self.pool.num_evictable(match.page_ids):
                 break
-            if self.adapter_slots is not None and not self.adapter_slots.can_acquire(request.lora_id):
-                break  # every adapter slot is in use by other adapters' running requests
-            self._waiting.pop(0)
+            self._waiting.pop(index)
+            request.lora_wait_since = None
             self._start_running(request, match, plan)
             self._schedule_chunk(request, num_new, plan)
 

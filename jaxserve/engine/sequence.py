@@ -35,6 +35,10 @@ class Sequence:
     def append(self, sampled: SampledToken, grammar_done: bool = False) -> str:
         """Records one token; returns the text it releases (possibly empty). `grammar_done`: the request's grammar
         allows nothing after this token, so the sequence stops with it (EOS, when sampled, stops it first)."""
+        if self.max_new_tokens == 0:
+            # Only the prompt is scored: the token its last position sampled is not an output.
+            self._finish("length", None)
+            return ""
         token = sampled.token_id
         self.token_ids.append(token)
         if self.logprobs is not None:

@@ -57,6 +57,18 @@ class GrammarMatcher:
         """Nothing more may follow: the grammar ended (its EOS taken) or failed."""
         return self._matcher.is_stopped() or self._matcher.is_error()
 
+    @property
+    def accepts_end(self) -> bool:
+        """The tokens followed so far make a whole output of the grammar (it may end here)."""
+        return self._matcher.is_accepting()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the grammar cannot go on (the grammar engine's first line), when it failed rather than ended."""
+        if not self._matcher.is_error():
+            return None
+        return self._matcher.get_error().splitlines()[0]
+
 
 class CompiledGrammar:
     """A constraint compiled for the engine's tokenizer: the matcher at the start of its grammar, which every

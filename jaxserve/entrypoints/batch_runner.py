@@ -1,8 +1,9 @@
 """`jaxserve run-batch`: OpenAI batch-style JSONL in, one result line per request out (as `vllm run-batch`).
 
 Each input line is `{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body"}`.
-A bad line gets its own error result (status 400) and never stops the others; valid requests run together through
-the engine's continuous batching.
+Each line is checked as the server checks a request (its `model` included: the served model or a --lora-modules
+adapter); a bad line gets its own error result (status 400, or 404 for an unknown model) and never stops the others;
+valid requests run together through the engine's continuous batching.
 """
 
 from __future__ import annotations
@@ -13,21 +14,42 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from jaxserve.engine.prompt_checks import check_prompt_tokens
-from jaxserve.engine.scheduler import check_priority
+from jaxserve.engine.prompt_checks import check_room_to_generate
 from jaxserve.entrypoints.constraint_checks import check_constraints, output_constraint_checks, tool_schema_checks
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.entrypoints.openai_body import (chat_completion_body, completion_body, default_max_tokens, error_body,
+from jaxserve.entrypoints.openai_body import (body_spellings, chat_completion_body, chat_template_variables,
+                                              completion_body, default_max_tokens, error_body,
                                               sampling_params_from_body)
 from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, completion_prompt, is_prompt_list
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body
+from jaxserve.entrypoints.request_limits import check_request_limits
 from jaxserve.entrypoints.tool_calls import ToolCalling, tool_calling_from_body
-from jaxserve.errors import InvalidRequestError, JaxserveError
+from jaxserve.errors import InvalidRequestError, JaxserveError, ModelNotFoundError
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchModels:
+    """What a line's `model` may name, as the server resolves it: the served model (under its names) or one of the
+    LoRA adapters given with --lora-modules."""
+
+    names: tuple[str, ...]  # the served model's names; results carry the first
+    adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)  # by name, registered with the engine
+
+    def resolve(self, model: str | None) -> LoRARequest | None:
+        """The adapter a line runs with (None: the base model); another name is refused, as the server's 404."""
+        if model is None or model in self.names:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        served = [*self.names, *self.adapters]
+        raise ModelNotFoundError(f"the model {model!r} does not exist; this batch serves "
+                                 f"{', '.join(map(repr, served))}", param="model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,19 +62,29 @@ class BatchItem:
     params: SamplingParams | None  # None when the line is invalid
     error: dict[str, Any] | None  # OpenAI error body for an invalid line
     tool_calling: ToolCalling | None = None  # a chat request's tools and how they may be called
+    lora: LoRARequest | None = None  # the adapter the line names as its model; None: the base model
+    model_name: str = ""  # what its result carries: the served model's first name or the adapter's
+    status_code: int = 200  # of its result: 400 for a refused line, 404 for an unknown model
 
 
-def run_batch(llm: LLM, input_path: Path, output_path: Path, model_name: str) -> tuple[int, int]:
-    """Runs every request of input_path and writes output_path; returns (succeeded, failed)."""
-    items = [_parse_line(llm, number, line) for number, line in _lines(input_path)]
+def run_batch(llm: LLM, input_path: Path, output_path: Path, models: BatchModels | str) -> tuple[int, int]:
+    """Runs every request of input_path and writes output_path; returns (succeeded, failed). Every check the server
+    makes runs per line, and a line the engine refuses fails alone: each input line gets its result line."""
+    models = BatchModels((models,)) if isinstance(models, str) else models
+    items = [_parse_line(llm, number, line, models) for number, line in _lines(input_path)]
     valid = [item for item in items if item.error is None]
-    results = llm.generate([{"prompt_token_ids": list(i.prompt.token_ids)} for i in valid],
-                           [i.params for i in valid], use_tqdm=True) if valid else []
+    results = llm.run_each([item.prompt for item in valid], [item.params for item in valid],
+                           [item.lora for item in valid]) if valid else []
     by_id = {id(item): result for item, result in zip(valid, results)}
+    failed = 0
     with Path(output_path).open("w") as out:
         for item in items:
-            out.write(json.dumps(_result_line(item, by_id.get(id(item)), model_name, llm.tokenizer)) + "\n")
-    return len(valid), len(items) - len(valid)
+            result = by_id.get(id(item))
+            if isinstance(result, JaxserveError):  # refused when added: the same error body as a refused line
+                item, result = _refused(item, result), None
+            failed += item.error is not None
+            out.write(json.dumps(_result_line(item, result, llm.tokenizer)) + "\n")
+    return len(items) - failed, failed
 
 
 def _lines(path: Path):
@@ -63,7 +95,7 @@ def _lines(path: Path):
     return [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
-def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
+def _parse_line(llm: LLM, number: int, line: str, models: BatchModels) -> BatchItem:
     custom_id = f"line-{number}"
     try:
         request = json.loads(line)
@@ -78,6 +110,7 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
         chat = url == CHAT_URL
         schema = ChatCompletionRequestBody if chat else CompletionRequestBody
         body = parse_body(schema, body, max_items=llm.max_model_len).model_dump(exclude_none=True)
+        lora = models.resolve(body.get("model"))
         for unanswerable in ("stream", "echo"):
             if body.get(unanswerable):
                 raise InvalidRequestError(f"{unanswerable} is not supported by run-batch, which writes each whole "
@@ -85,19 +118,32 @@ def _parse_line(llm: LLM, number: int, line: str) -> BatchItem:
         tool_calling = tool_calling_from_body(body) if chat else None
         check_constraints(tool_schema_checks(tool_calling), llm.engine.grammars)
         prompt = (chat_prompt(llm.tokenizer, body["messages"], body.get("add_generation_prompt", True),
-                              tools=tool_calling.tools if tool_calling is not None else None) if chat
+                              **chat_template_variables(body, tool_calling)) if chat
                   else _completion_prompt(llm, body))
-        check_prompt_tokens(prompt.token_ids, vocab_size=llm.model.config.vocab_size, max_model_len=llm.max_model_len)
         params = sampling_params_from_body(body, chat, default_max_tokens=default_max_tokens(
             chat, len(prompt.token_ids), llm.max_model_len), tool_calling=tool_calling)
+        spelled = body_spellings(body, chat)
+        check_request_limits(llm.engine, [prompt], params, spelled)
+        asked = spelled.get("max_tokens", "max_tokens")
+        if not chat or body.get(asked) is not None:  # as the server: chat without max_tokens fills the context
+            check_room_to_generate(len(prompt.token_ids), params.max_tokens, llm.max_model_len, asked)
         check_constraints(output_constraint_checks(params, body, tool_calling), llm.engine.grammars)
-        # Here, not in the engine, so that a priority the policy refuses fails this line only.
-        check_priority(params.priority, llm.config.scheduling_policy)
-        return BatchItem(custom_id, chat, prompt, params, None, tool_calling)
+        return BatchItem(custom_id, chat, prompt, params, None, tool_calling, lora,
+                         lora.lora_name if lora is not None else models.names[0])
     except json.JSONDecodeError as e:
-        return BatchItem(custom_id, False, None, None, error_body(f"line {number} is not valid JSON: {e.msg}"))
+        return BatchItem(custom_id, False, None, None, error_body(f"line {number} is not valid JSON: {e.msg}"),
+                         status_code=400)
     except JaxserveError as e:
-        return BatchItem(custom_id, False, None, None, error_body(str(e), getattr(e, "param", None)))
+        return _refused(BatchItem(custom_id, False, None, None, None), e)
+
+
+def _refused(item: BatchItem, error: JaxserveError) -> BatchItem:
+    """The item with the error that refused it, as the server answers it (404 for an unknown model, else 400)."""
+    if isinstance(error, ModelNotFoundError):
+        body, status = error_body(str(error), error.param, kind="not_found_error"), 404
+    else:
+        body, status = error_body(str(error), getattr(error, "param", None)), 400
+    return dataclasses.replace(item, error=body, status_code=status)
 
 
 def _completion_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
@@ -107,13 +153,13 @@ def _completion_prompt(llm: LLM, body: dict[str, Any]) -> TokenizedPrompt:
     return completion_prompt(prompt, llm.tokenizer, body.get("add_special_tokens", True))
 
 
-def _result_line(item: BatchItem, result, model_name: str, tokenizer: Tokenizer) -> dict[str, Any]:
+def _result_line(item: BatchItem, result, tokenizer: Tokenizer) -> dict[str, Any]:
     request_id = f"batch-{uuid.uuid4().hex}"
     if item.error is not None:
-        response = {"status_code": 400, "request_id": request_id, "body": item.error}
+        response = {"status_code": item.status_code, "request_id": request_id, "body": item.error}
     else:
-        body = (chat_completion_body(result, model_name, item.params.logprobs or 0, tokenizer, item.tool_calling)
+        body = (chat_completion_body(result, item.model_name, item.params.logprobs or 0, tokenizer, item.tool_calling)
                 if item.chat
-                else completion_body([result], model_name))
+                else completion_body([result], item.model_name))
         response = {"status_code": 200, "request_id": request_id, "body": body}
     return {"id": request_id, "custom_id": item.custom_id, "response": response, "error": None}

@@ -74,8 +74,9 @@ def _start(checks: Sequence[ConstraintCheck], grammars: GrammarCompiler) -> None
 
 
 def _tool_schema_check(index: int, schema: dict[str, Any]) -> ConstraintCheck:
-    where = f"tools[{index}].function.parameters is not a usable JSON Schema: "
+    param = f"tools[{index}].function.parameters"  # OpenAI's name of the field at fault
+    where = f"{param} is not a usable JSON Schema: "
     try:
-        return ConstraintCheck(StructuredOutputsParams(json=schema), "tools", where)
+        return ConstraintCheck(StructuredOutputsParams(json=schema), param, where)
     except InvalidRequestError as error:
-        raise InvalidRequestError(f"{where}{error}", param="tools") from None
+        raise InvalidRequestError(f"{where}{error}", param=param) from None

@@ -18,7 +18,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.entrypoints.prompts import (TokenizedPrompt, chat_prompt, normalize_prompts,
                                           lora_per_prompt, params_per_prompt, tokenize_prompt, with_priorities)
-from jaxserve.errors import InvalidRequestError
+from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -114,22 +114,49 @@ class LLM:
         return self._run(tokenized, with_priorities(params_per_prompt(sampling_params, len(tokenized)), priority),
                          use_tqdm, lora_per_prompt(lora_request, len(tokenized)))
 
+    def run_each(self, prompts: list[TokenizedPrompt], params: list[SamplingParams],
+                 loras: list[LoRARequest | None], use_tqdm: bool = True) -> list[RequestOutput | JaxserveError]:
+        """Each prompt's output, or the error that refused it while the others ran (`jaxserve run-batch`: one bad
+        request never stops the rest). `generate` and `chat` refuse the whole call instead, as vLLM's do."""
+        refused: dict[str, JaxserveError] = {}
+        ids = [str(next(self._request_ids)) for _ in prompts]
+        self._add(ids, prompts, params, loras, refused)
+        results = self._step_until_done([i for i in ids if i not in refused], use_tqdm, failed=refused)
+        return [refused[i] if i in refused else results[i] for i in ids]
+
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool,
              loras: list[LoRARequest | None]) -> list[RequestOutput]:
-        for prompt in prompts:
+        for prompt, p in zip(prompts, params):
             check_prompt_tokens(prompt.token_ids, vocab_size=self.model.config.vocab_size,
-                                max_model_len=self.max_model_len)
+                                max_model_len=self.max_model_len, generates=p.max_tokens > 0)
         ids = [str(next(self._request_ids)) for _ in prompts]
-        for p in params:  # every distinct constraint starts compiling now, side by side; add_request waits for each
-            if p.structured_outputs is not None:
-                self.engine.grammars.compile(p.structured_outputs)
         try:
-            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
-                self.engine.add_request(request_id, prompt.token_ids, p, prompt=prompt.text, lora_request=lora)
+            self._add(ids, prompts, params, loras)
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
+        results = self._step_until_done(ids, use_tqdm)
+        return [results[request_id] for request_id in ids]
+
+    def _add(self, ids: list[str], prompts: list[TokenizedPrompt], params: list[SamplingParams],
+             loras: list[LoRARequest | None], refused: dict[str, JaxserveError] | None = None) -> None:
+        """Adds every request to the engine; a refused one raises, or with `refused` is recorded there."""
+        for p in params:  # every distinct constraint starts compiling now, side by side; add_request waits for each
+            if p.structured_outputs is not None:
+                self.engine.grammars.compile(p.structured_outputs)
+        for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
+            try:
+                self.engine.add_request(request_id, prompt.token_ids, p, prompt=prompt.text, lora_request=lora)
+            except JaxserveError as e:
+                if refused is None:
+                    raise
+                refused[request_id] = e
+
+    def _step_until_done(self, ids: list[str], use_tqdm: bool,
+                         failed: dict[str, JaxserveError] | None = None) -> dict[str, RequestOutput]:
+        """Steps until every request ended: their outputs. A request that ends with an error of its own (a failed
+        output constraint) raises it, or with `failed` is recorded there while the others go on."""
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             try:
@@ -137,10 +164,15 @@ class LLM:
                     for output in self.engine.step():
                         results[output.request_id] = output
                         bar.update()
+                    for request_id, error in self.engine.pop_failed():
+                        if failed is None:
+                            raise error
+                        failed[request_id] = error
+                        bar.update()
             except BaseException:  # a failed step, or an interrupt (Ctrl-C) between steps: the next call starts clean
                 self.engine.abort_all_requests()
                 raise
-        return [results[request_id] for request_id in ids]
+        return results
 
 
 def _as_conversations(messages: Any) -> list[Conversation]:

@@ -6,10 +6,11 @@ clients send (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_tok
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxserve.errors import InvalidRequestError
@@ -31,12 +32,12 @@ def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_toke
     """SamplingParams of a completions (chat=False) or chat completions body (with its `tool_calling`, which may
     force calls); InvalidRequestError names the field."""
     kwargs = {name: body[name] for name in _PASSED_THROUGH if body.get(name) is not None}
-    # SamplingParams fields that chat bodies spell otherwise, so that errors name the field the client sent.
-    spelled = {"logprobs": "top_logprobs"} if chat else {}
-    if chat and body.get("max_completion_tokens") is not None:  # OpenAI's newer name wins over the older one
-        spelled["max_tokens"] = "max_completion_tokens"
+    spelled = body_spellings(body, chat)
     max_tokens = body.get(spelled.get("max_tokens", "max_tokens"))
     kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    if max_tokens == 0 and (chat or not body.get("echo")):  # as vLLM: 0 asks for the echoed prompt's scores alone
+        raise InvalidRequestError(f"{spelled.get('max_tokens', 'max_tokens')} must be at least 1 (0 only with echo, "
+                                  "to score the prompt)", param=spelled.get("max_tokens", "max_tokens"))
     stop = body.get("stop")
     if stop is not None:
         if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
@@ -54,14 +55,31 @@ def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_toke
         kwargs["structured_outputs"] = constraint
         spelled["structured_outputs"] = field
     try:
-        return SamplingParams(**kwargs)
+        with named_as_sent(spelled):
+            return SamplingParams(**kwargs)
+    except TypeError as e:
+        raise InvalidRequestError(f"a sampling field has the wrong type: {e}") from None
+
+
+def body_spellings(body: dict[str, Any], chat: bool) -> dict[str, str]:
+    """SamplingParams fields that the body spells otherwise (chat's top_logprobs, max_completion_tokens), so that
+    errors name the field the client sent."""
+    spelled = {"logprobs": "top_logprobs"} if chat else {}
+    if chat and body.get("max_completion_tokens") is not None:  # OpenAI's newer name wins over the older one
+        spelled["max_tokens"] = "max_completion_tokens"
+    return spelled
+
+
+@contextlib.contextmanager
+def named_as_sent(spelled: dict[str, str]) -> Iterator[None]:
+    """An InvalidRequestError about a SamplingParams field re-raised naming the body's field (`body_spellings`)."""
+    try:
+        yield
     except InvalidRequestError as e:
         field = spelled.get(e.param)
         if field is None:
             raise
         raise InvalidRequestError(str(e).replace(e.param, field, 1), param=field) from None
-    except TypeError as e:
-        raise InvalidRequestError(f"a sampling field has the wrong type: {e}") from None
 
 
 def structured_outputs_from_body(body: dict[str, Any], tool_calling: ToolCalling | None = None,
@@ -114,6 +132,15 @@ CONSTRAINT_KEYWORDS = {
     "guided_choice": lambda value: {"choice": value},
     "guided_grammar": lambda value: {"grammar": value},
 }
+
+
+def chat_template_variables(body: dict[str, Any], tool_calling: ToolCalling | None) -> dict[str, Any]:
+    """What a chat body hands its chat template besides the messages: the tools offered, and reasoning_effort (as
+    vLLM passes it: the templates of reasoning models read it)."""
+    variables: dict[str, Any] = {"tools": tool_calling.tools if tool_calling is not None else None}
+    if body.get("reasoning_effort") is not None:
+        variables["reasoning_effort"] = body["reasoning_effort"]
+    return variables
 
 
 def default_max_tokens(chat: bool, prompt_len: int, max_model_len: int) -> int:
@@ -179,7 +206,7 @@ def _completion_choice(output: RequestOutput, completion: CompletionOutput, inde
             list(output.prompt_token_ids))
         text = prompt_text + text
         if logprobs is not None:
-            logprobs = _joined_logprobs(_prompt_logprobs(output, echo_tokenizer), logprobs)
+            logprobs = joined_logprobs(_prompt_logprobs(output, echo_tokenizer), logprobs)
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason}
 
@@ -237,14 +264,20 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: list[dict[int, Logpr
 
 
 def _prompt_logprobs(output: RequestOutput, tokenizer: Tokenizer) -> dict[str, Any]:
-    """The echoed prompt's entries: nothing predicts its first token, so that one has no log-probability."""
-    scored = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    return prompt_logprobs_body(output.prompt_token_ids, output.prompt_logprobs, tokenizer)
+
+
+def prompt_logprobs_body(token_ids: Sequence[int], scored: list[dict[int, Logprob] | None] | None,
+                         tokenizer: Tokenizer) -> dict[str, Any]:
+    """The echoed prompt's entries in the legacy completions shape: nothing predicts its first token, so that one has
+    no log-probability."""
+    scored = scored or [None] * len(token_ids)
     tokens = [candidates[token].decoded_token if candidates else tokenizer.decode([token], skip_special_tokens=False)
-              for token, candidates in zip(output.prompt_token_ids, scored)]
+              for token, candidates in zip(token_ids, scored)]
     return {
         "tokens": tokens,
         "token_logprobs": [candidates[token].logprob if candidates else None
-                           for token, candidates in zip(output.prompt_token_ids, scored)],
+                           for token, candidates in zip(token_ids, scored)],
         "top_logprobs": [_top_by_text(candidates) if candidates else None for candidates in scored],
         "text_offset": _offsets(tokens, 0),
     }
@@ -260,7 +293,8 @@ def _top_by_text(candidates: dict[int, Logprob]) -> dict[str, float]:
     return top
 
 
-def _joined_logprobs(prompt: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
+def joined_logprobs(prompt: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
+    """An echoed prompt's legacy logprobs followed by its continuation's, text offsets from the prompt's start."""
     joined = {key: prompt[key] + completion[key] for key in ("tokens", "token_logprobs", "top_logprobs")}
     joined["text_offset"] = _offsets(joined["tokens"], 0)
     return joined

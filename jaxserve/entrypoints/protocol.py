@@ -73,7 +73,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = Field(None, description="a last event with the request's usage")
-    continuous_usage_stats: bool | None = _refused("usage in every event is " + NOT_YET, False)
+    continuous_usage_stats: bool | None = Field(None, description="vLLM's: with include_usage, every event also "
+                                                "carries its choice's usage so far")
     include_obfuscation: bool | None = _refused("obfuscation padding in events is " + NOT_YET, False)
 
 
@@ -144,6 +145,9 @@ class ChatMessage(_Body):
                                                     "tool_calls")
     refusal: str | None = _refused("assistant refusals are an OpenAI-side feature")
     reasoning_content: str | None = _refused("reasoning models are " + NOT_YET)
+    # Fields of OpenAI's answers that clients echo back in the history: nothing of theirs is served here.
+    annotations: list[dict[str, Any]] | None = _refused("annotations come from web search, which is not available", [])
+    audio: dict[str, Any] | None = _refused("the served model reads and writes text only")
 
 
 class FunctionDefinition(_Body):
@@ -176,14 +180,19 @@ class _Sampling(_Body):
     frequency_penalty: float | None = _bounded("frequency_penalty", "subtracted per occurrence of a generated token "
                                             "(-2 to 2)")
     presence_penalty: float | None = _bounded("presence_penalty", "subtracted once per generated token (-2 to 2)")
-    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) → bias added to its logit")
-    max_tokens: int | None = _bounded("max_tokens", "most tokens to generate")
-    n: int | None = _bounded("n", "continuations per prompt")
-    seed: int | None = Field(None, description="same seed, same tokens")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) → bias added to its logit "
+                                                "(at most --max-logit-bias entries, 300 by default)")
+    max_tokens: int | None = _bounded("max_tokens", "most tokens to generate (0 with echo: none, the prompt is "
+                                      "scored)")
+    n: int | None = _bounded("n", "continuations per prompt (at most --max-n, 128 by default)")
+    seed: int | None = Field(None, description="same seed, same tokens (64 bits, all of them used)",
+                             json_schema_extra={"minimum": -2**63, "maximum": 2**63 - 1})
     stop: str | list[str] | None = Field(None, description="a string or a list of strings that end generation "
                                                 "(left out of the text)")
     stream: bool | None = Field(None, description="answer as server-sent events")
-    stream_options: StreamOptions | None = Field(None, description="with stream only")
+    stream_options: StreamOptions | None = Field(None, description="with stream only: include_usage (a last event "
+                                                 "with the usage) and vLLM's continuous_usage_stats (every event "
+                                                 "with its choice's usage so far)")
     temperature: float | None = _bounded("temperature", "0 decodes greedily")
     top_p: float | None = _bounded("top_p", "nucleus sampling, in (0, 1]")
     user: str | None = Field(None, description="accepted: an end-user id, as OpenAI takes it; changes nothing")
@@ -193,7 +202,8 @@ class _Sampling(_Body):
     repetition_penalty: float | None = _bounded("repetition_penalty", "divides the logits of seen tokens (1: none)")
     ignore_eos: bool | None = Field(None, description="generate past the end-of-sequence token")
     min_tokens: int | None = _bounded("min_tokens", "EOS and stop_token_ids are ignored until this many tokens")
-    stop_token_ids: list[int] | None = Field(None, description="token ids that end generation besides EOS")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end generation besides EOS (with the "
+                                             "EOS ids, at most --max-stop-ids, 64 by default)")
     skip_special_tokens: bool | None = Field(None, description="leave special tokens out of the text (default)")
     include_stop_str_in_output: bool | None = Field(None, description="keep the matched stop string in the text")
     priority: int | None = Field(None, description="scheduling priority, lower served earlier (default 0); other "
@@ -233,10 +243,13 @@ class CompletionRequestBody(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="text, token ids, or a list of either (one request each)")
-    echo: bool | None = Field(None, description="each choice starts with its prompt (with max_tokens 0: the prompt "
-                              "alone)")
-    logprobs: int | None = _bounded("logprobs", "top log-probabilities per token (0 to 20)")
+        description="text, token ids, or a list of either (one request each; at most --max-prompts-per-request, "
+        "2048 by default)")
+    echo: bool | None = Field(None, description="each choice starts with its prompt, and with logprobs its prompt's "
+                              "log-probabilities (with max_tokens 0: the prompt alone, scored); streamed, in its "
+                              "first event")
+    logprobs: int | None = _bounded("logprobs", "top log-probabilities per token (0 to --max-logprobs, 20 by "
+                                    "default)")
     add_special_tokens: bool | None = Field(None, description="add BOS to text prompts (default true)")
     best_of: int | None = _refused("best-of sampling is " + NOT_YET, 1)
     suffix: str | None = _refused("insertion (fill in the middle) is " + NOT_YET, "")
@@ -248,12 +261,13 @@ class ChatCompletionRequestBody(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
         description="the conversation, rendered by the model's chat template")
     logprobs: bool | None = Field(None, description="return the sampled tokens' log-probabilities")
-    top_logprobs: int | None = _bounded("logprobs", "with logprobs: this many alternatives per token (0 to 20)")
+    top_logprobs: int | None = _bounded("logprobs", "with logprobs: this many alternatives per token (0 to "
+                                        "--max-logprobs, 20 by default)")
     max_completion_tokens: int | None = _bounded("max_tokens", "most tokens to generate (wins over max_tokens)")
     add_generation_prompt: bool | None = Field(None, description="end the rendered prompt with the assistant's "
                                                "header (default true)")
     tools: list[ToolDefinition] | None = Field(None, description="functions the model may call, rendered by the "
-                                               "chat template")
+                                               "chat template (a function's parameters: a JSON Schema of an object)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none, auto (the default with tools: the model decides), required (at least one call) "
         "or a named function (one call of it); required and named calls are enforced by a grammar")
@@ -264,7 +278,9 @@ class ChatCompletionRequestBody(_Sampling):
     audio: dict[str, Any] | None = _refused("the served model reads and writes text only")
     modalities: list[str] | None = _refused("the served model writes text only", ["text"])
     prediction: dict[str, Any] | None = _refused("predicted outputs are " + NOT_YET)
-    reasoning_effort: str | None = _refused("reasoning models are " + NOT_YET)
+    reasoning_effort: str | None = Field(None, description="passed to the chat template as `reasoning_effort`, as "
+                                         "vLLM does (the templates of reasoning models read it; others leave it "
+                                         "unused)")
     verbosity: str | None = _refused(NOT_YET)
     service_tier: str | None = _refused("there is one service tier", "auto", "default")
     store: bool | None = _refused("completions are not stored", False)

@@ -59,7 +59,8 @@ class CompletionChunk(_Answer):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, description="in the last event, with stream_options.include_usage")
+    usage: Usage | None = Field(None, description="in the last event, with stream_options.include_usage; in every "
+                                "event too (the choice's so far) with continuous_usage_stats")
 
 
 class TopLogprob(_Answer):
@@ -149,7 +150,8 @@ class ChatCompletionChunk(_Answer):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, description="in the last event, with stream_options.include_usage")
+    usage: Usage | None = Field(None, description="in the last event, with stream_options.include_usage; in every "
+                                "event too (the choice's so far) with continuous_usage_stats")
 
 
 class TokenizeResponse(_Answer):

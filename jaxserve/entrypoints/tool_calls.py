@@ -71,6 +71,8 @@ def tool_calling_from_body(fields: dict[str, Any]) -> ToolCalling | None:
         if choice not in (None, "none", "auto"):
             raise InvalidRequestError("tool_choice needs tools to choose from", param="tool_choice")
         return None
+    for index, tool in enumerate(tools):
+        _check_parameters_object(tool["function"].get("parameters"), f"tools[{index}].function.parameters")
     names = [tool["function"]["name"] for tool in tools]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
@@ -81,12 +83,36 @@ def tool_calling_from_body(fields: dict[str, Any]) -> ToolCalling | None:
                        function=function, parallel=fields.get("parallel_tool_calls") is not False)
 
 
+def _check_parameters_object(schema: Any, param: str) -> None:
+    """A function's arguments are a JSON object (calls carry them as one): a parameters schema of another type is
+    refused, as OpenAI refuses it, rather than forced calls coming back as text."""
+    if not isinstance(schema, dict) or "type" not in schema:
+        return
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    if "object" not in kinds:
+        raise InvalidRequestError(f"{param} must be a JSON Schema of type \"object\" (a function's arguments are an "
+                                  f"object), got type {json.dumps(schema['type'])}", param=param)
+
+
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    """One call of `function` in Llama's form, written without optional whitespace."""
+    """One call of `function` in Llama's form, written without optional whitespace. The parameters schema sits one
+    level down, under properties/parameters, so its references to its own root ("#", "#/$defs/...", what pydantic
+    writes for enums and nested models) are re-rooted there."""
+    parameters = function.get("parameters") or {"type": "object"}
     return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             "parameters": function.get("parameters") or {"type": "object"}},
+                                             "parameters": _rerooted(parameters, "#/properties/parameters")},
             "required": ["name", "parameters"], "additionalProperties": False,
             "x-guidance": {"whitespace_flexible": False}}
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """`schema` with every local `$ref` (a JSON pointer from its root, "#...") pointing from `root` instead."""
+    if isinstance(schema, list):
+        return [_rerooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rerooted(value, root) for key, value in schema.items()}
 
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -55,7 +55,7 @@ class SamplingTensors:
 
     greedy: jax.Array  # bool[S]: argmax after biases and penalties
     temperature: jax.Array  # f32[S]: 1 on greedy rows, where it is unused
-    seeds: jax.Array  # u32[S]: the row's draw seed, reduced to 32 bits as jax.random.key does
+    seeds: jax.Array  # u32[S, 2]: the row's 64-bit draw seed as (high, low) words, the key jax.random.key makes of it
     steps: jax.Array  # i32[S]: folded into the row's key, so each step draws afresh
     bias_ids: jax.Array  # i32[S, B]: logit_bias token ids, -1 padding
     bias_values: jax.Array  # f32[S, B]: the bias added to each of bias_ids
@@ -105,7 +105,7 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
     return SamplingTensors(
         greedy=greedy,
         temperature=np.array(temperature + [1.0] * pad, np.float32),
-        seeds=np.array([r.seed % 2**32 for r in rows] + [0] * pad, np.uint32),
+        seeds=np.array([seed_words(r.seed) for r in rows] + [(0, 0)] * pad, np.uint32).reshape(-1, 2),
         steps=np.array([r.draw_step for r in rows] + [0] * pad, np.int32),
         bias_ids=_padded([list(b) for b in biases], num_rows, bias_width, -1, np.int32),
         bias_values=_padded([list(b.values()) for b in biases], num_rows, bias_width, 0.0, np.float32),
@@ -186,8 +186,17 @@ def tempered_logits(processed: jax.Array, tensors: SamplingTensors) -> jax.Array
 
 
 def row_keys(tensors: SamplingTensors) -> jax.Array:  # key[S]
-    """Each row's key for this draw: its seed with its step folded in."""
-    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(tensors.seeds, tensors.steps)
+    """Each row's key for this draw: its seed's key (all 64 bits, as jax.random.key makes it of a 64-bit seed) with
+    its step folded in."""
+    return jax.vmap(lambda words, step: jax.random.fold_in(jax.random.wrap_key_data(words, impl="threefry2x32"),
+                                                           step))(tensors.seeds, tensors.steps)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A seed's 64 bits (two's complement, so negative seeds too) as threefry's (high, low) key words: seeds that
+    differ anywhere in their 64 bits draw differently. Below 2**32 the key is jax.random.key(seed)'s."""
+    bits = seed % 2**64
+    return bits >> 32, bits & 0xFFFFFFFF
 
 
 def gumbel_noise(keys: jax.Array, vocab_size: int) -> jax.Array:  # f32[S, V]

@@ -14,11 +14,12 @@ from quart import Blueprint, Response, jsonify
 from jaxserve.engine.prompt_checks import check_room_to_generate
 from jaxserve.entrypoints.constraint_checks import (ConstraintCheck, await_constraints, output_constraint_checks,
                                                     tool_schema_checks)
-from jaxserve.entrypoints.openai_body import (chat_completion_body, chat_completion_chunk, chat_logprobs,
-                                              default_max_tokens, sampling_params_from_body, tool_finish_reason, usage,
-                                              usage_chunk)
+from jaxserve.entrypoints.openai_body import (body_spellings, chat_completion_body, chat_completion_chunk,
+                                              chat_logprobs, chat_template_variables, default_max_tokens,
+                                              sampling_params_from_body, tool_finish_reason, usage, usage_chunk)
 from jaxserve.entrypoints.prompts import TokenizedPrompt
 from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, parse_body
+from jaxserve.entrypoints.request_limits import check_request_limits
 from jaxserve.entrypoints.tool_calls import (ContentText, ToolCalling, ToolCallParser, delta_tool_calls,
                                              tool_calling_from_body)
 from jaxserve.entrypoints.protocol_responses import ChatCompletionChunk, ChatCompletionResponse
@@ -29,8 +30,9 @@ from jaxserve.server.api_errors import streamed_response
 from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.quotas import TokenTally
-from jaxserve.server.request_fields import check_limits, conversation_prompt, flag, include_usage
+from jaxserve.server.request_fields import conversation_prompt, flag
 from jaxserve.server.served_models import ServedModel
+from jaxserve.server.stream_usage import ChoiceUsage, StreamUsage, stream_usage
 from jaxserve.server.streams import final_outputs, merged_events
 from jaxserve.tokenizer import Tokenizer
 
@@ -44,7 +46,7 @@ class ChatRequest:
     prompt: TokenizedPrompt  # the rendered conversation, ending with the assistant's header
     params: SamplingParams  # how its n choices are sampled
     stream: bool  # answer as server-sent events
-    include_usage: bool  # streaming: a last event with the usage
+    usage: StreamUsage  # streaming: the usage events carry
     tool_calling: ToolCalling | None  # the tools offered and how they may be called; None without tools
     model: ServedModel  # the base model or the LoRA adapter it runs with
     constraints: tuple[ConstraintCheck, ...]  # output constraints and tool schemas to compile before it runs
@@ -74,9 +76,10 @@ async def create_chat_completion() -> Response:
         # OpenAI's first event of every choice names the speaker, with no text yet: content null where the answer is
         # certainly calls (as answered whole, so clients that accumulate the stream agree), "" where it may be text.
         role = {"role": "assistant", "content": None if request.forces_calls else ""}
-        roles = [chat_completion_chunk(chunk_id, created, model, index, role, None, None, None)
+        counts = ChoiceUsage(request.usage, [len(request.prompt.token_ids)], request.params.n)
+        roles = [counts.stamped(chat_completion_chunk(chunk_id, created, model, index, role, None, None, None), index)
                  for index in range(request.params.n)]
-        return await streamed_response(_chat_chunks(context, request, tally, chunk_id, created, model), roles)
+        return await streamed_response(_chat_chunks(context, request, tally, chunk_id, created, model, counts), roles)
     [output] = await final_outputs(context, [request.prompt], request.params, tally, request.model.lora)
     return jsonify(chat_completion_body(output, model, request.params.logprobs or 0, context.tokenizer,
                                         request.tool_calling))
@@ -92,19 +95,19 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
     tool_calling = tool_calling_from_body(fields)
     tool_checks = tool_schema_checks(tool_calling)
     prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
-                                 tools=tool_calling.tools if tool_calling is not None else None)
+                                 **chat_template_variables(fields, tool_calling))
     params = sampling_params_from_body(fields, chat=True, default_max_tokens=default_max_tokens(
         True, len(prompt.token_ids), context.max_model_len), tool_calling=tool_calling)
-    check_limits(params, 1, context.config)
+    check_request_limits(context.engine.engine, [prompt], params, body_spellings(fields, chat=True))
     asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if getattr(body, asked) is not None:
         check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, asked)
-    return ChatRequest(prompt, params, flag(fields, "stream"), include_usage(fields), tool_calling, model,
+    return ChatRequest(prompt, params, flag(fields, "stream"), stream_usage(fields), tool_calling, model,
                        (*tool_checks, *output_constraint_checks(params, fields, tool_calling)))
 
 
 async def _chat_chunks(context: ServerContext, request: ChatRequest, tally: TokenTally, chunk_id: str, created: int,
-                       model: str) -> AsyncIterator[dict[str, Any]]:
+                       model: str, counts: ChoiceUsage) -> AsyncIterator[dict[str, Any]]:
     finished: list[RequestOutput] = []
     readers = ([ToolCallParser(request.tool_calling) for _ in range(request.params.n)] if request.reads_calls
                else None)
@@ -114,11 +117,12 @@ async def _chat_chunks(context: ServerContext, request: ChatRequest, tally: Toke
             if isinstance(event, RequestOutput):
                 finished.append(event)
                 continue
+            counts.count(event.index, len(event.token_ids))
             said, finish_reason = _said(event, readers[event.index] if readers else None)
             if said or finish_reason or event.logprobs:
-                yield _delta_chunk(chunk_id, created, model, event, said, finish_reason, request.params.logprobs or 0,
-                                   context.tokenizer)
-    if request.include_usage:
+                yield counts.stamped(_delta_chunk(chunk_id, created, model, event, said, finish_reason,
+                                                  request.params.logprobs or 0, context.tokenizer), event.index)
+    if request.usage.final:
         yield usage_chunk(chunk_id, created, model, "chat.completion.chunk", usage(finished))
 
 

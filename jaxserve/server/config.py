@@ -22,8 +22,6 @@ class ServerConfig:
     # answers carry the first
     max_waiting_requests: int = 256  # requests queued beyond the running batch; more are answered 503 at once
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
-    max_n: int = 16  # most continuations per prompt
-    max_prompts: int = 64  # most prompts in one /v1/completions request
     drain_timeout_s: float = 30.0  # after SIGTERM, how long in-flight requests may take to finish
     health_timeout_s: float = 30.0  # /health fails if the engine thread does not answer within this
     # A response send (a stream's chunk) still waiting on the client after this long drops the client and aborts
@@ -43,7 +41,7 @@ class ServerConfig:
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_prompts"):
+        for name in ("max_waiting_requests", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "max_waiting_requests" else 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

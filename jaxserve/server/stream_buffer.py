@@ -71,7 +71,8 @@ class StreamBuffer:
 
 
 def merged_deltas(older: CompletionDelta, newer: CompletionDelta) -> CompletionDelta:
-    """One delta saying what `older` and then `newer` said, for the same continuation."""
+    """One delta saying what `older` and then `newer` said, for the same continuation (the prompt's logprobs come
+    with the first)."""
     logprobs = None if older.logprobs is None else older.logprobs + newer.logprobs
     return dataclasses.replace(older, text=older.text + newer.text, token_ids=older.token_ids + newer.token_ids,
                                logprobs=logprobs, finish_reason=newer.finish_reason, stop_reason=newer.stop_reason)

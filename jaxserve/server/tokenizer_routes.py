@@ -15,7 +15,7 @@ from jaxserve.entrypoints.protocol import (DetokenizeBody, TokenizeChatBody, Tok
 from jaxserve.entrypoints.protocol_responses import DetokenizeResponse, TokenizeResponse
 from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
-from jaxserve.server.request_fields import conversation_prompt, flag
+from jaxserve.server.request_fields import flag, rendered_conversation
 
 blueprint = Blueprint("tokenizer", __name__)
 
@@ -23,7 +23,8 @@ blueprint = Blueprint("tokenizer", __name__)
 @blueprint.post("/tokenize")
 @declares(RouteSchema(requests=(TokenizeCompletionBody, TokenizeChatBody), response=TokenizeResponse))
 async def tokenize() -> Response:
-    """`{"prompt": str, "add_special_tokens": bool}` or `{"messages": [...], "add_generation_prompt": bool}`."""
+    """`{"prompt": str, "add_special_tokens": bool}` or `{"messages": [...], "add_generation_prompt": bool}`; either
+    is counted whatever its length in tokens (`max_model_len` in the answer says what fits), as vLLM's."""
     context = server_context()
     tokens = await context.off_loop(_tokens_of, await request_bytes(), context)
     return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": context.max_model_len})
@@ -58,8 +59,9 @@ def _tokens_of(raw: bytes, context: ServerContext) -> list[int]:
         body = parse_body(TokenizeChatBody, value, context.config.allow_unknown_fields, context.max_model_len)
         resolve_model(body.model, context)
         fields = body.model_dump(exclude_none=True)
-        prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
-                                     tools=fields.get("tools"))
+        # As a prompt, counted whatever its length (as vLLM's /tokenize): only text no context could hold is refused.
+        prompt = rendered_conversation(fields["messages"], context,
+                                       flag(fields, "add_generation_prompt", default=True), tools=fields.get("tools"))
         return list(prompt.token_ids)
     body = parse_body(TokenizeCompletionBody, value, context.config.allow_unknown_fields, context.max_model_len)
     resolve_model(body.model, context)

@@ -1,5 +1,5 @@
 """The `jaxserve` command: `serve` (the OpenAI-compatible server), `generate` and `run-batch` (offline), `convert`
-(HF safetensors to Orbax).
+(HF safetensors to Orbax), `compile` (the GPU step programs built for a GPU target on any machine, and audited).
 
 Bad input ends in one line on stderr and exit code 2, never a traceback.
 """
@@ -81,6 +81,7 @@ def _build_parser() -> argparse.ArgumentParser:
     convert.add_argument("hf_dir", type=Path)
     convert.add_argument("out_dir", type=Path)
     convert.set_defaults(handler=_convert, parser=convert)
+    _add_compile_command(commands)
     return parser
 
 
@@ -300,6 +301,49 @@ def _convert(args: argparse.Namespace) -> int:
 
     convert_hf_to_orbax(args.hf_dir, args.out_dir)
     print(f"wrote Orbax checkpoint to {args.out_dir}")
+    return 0
+
+
+def _add_compile_command(commands) -> None:
+    compile_ = commands.add_parser(
+        "compile", allow_abbrev=False,
+        help="build a preset's GPU step programs for a GPU target without a GPU or weights, and audit them")
+    _add_engine_flags(compile_)
+    compile_.add_argument("--target", required=True,
+                          help="h100, h200 (configs/gpu-targets/NAME.pbtxt) or a target description's path")
+    compile_.add_argument("--model-shape", help="the model whose programs are built: llama-3.1-8b or llama-3.1-70b "
+                          "(default: the one the preset is named after; or --model DIR's config.json)")
+    compile_.add_argument("--audit", type=Path, metavar="OUT.json", help="write every program's findings here")
+    compile_.add_argument("--dump-hlo", type=Path, metavar="DIR",
+                          help="write each program's optimized HLO (and XLA's dumps, thunks among them) here")
+    compile_.add_argument("--context-len", type=int, default=1024,
+                          help="each sequence's context that the roofline's KV reads assume (default: 1024)")
+    compile_.add_argument("--programs", metavar="REGEX",
+                          help="only the programs whose names match, e.g. 'decode S=(1|64)$|sampler'")
+    compile_.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                          help="an XLA compiler option for every program (repeatable), e.g. "
+                          "xla_gpu_enable_triton_gemm=false")
+    compile_.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                          help="programs compiled at once (default: one per core)")
+    compile_.add_argument("--on-device", action="store_true",
+                          help="on a GPU host: build for its own GPUs (XLA autotunes there), to compare with the "
+                          "target's build")
+    compile_.set_defaults(handler=_compile, parser=compile_)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from jaxserve.gpu_programs.target import prepare_compile_environment
+
+    if not args.on_device:
+        prepare_compile_environment()  # before JAX starts: the CUDA plugin registers beside the CPU backend
+    from jaxserve.gpu_programs.command import CompileRequest, parse_compiler_options, run_compile
+
+    config = load_config(args.config, {name: getattr(args, name) for name in FIELD_NAMES if hasattr(args, name)})
+    run_compile(CompileRequest(config=config, preset=args.config, target=args.target, model_shape=args.model_shape,
+                               audit_path=args.audit, dump_dir=args.dump_hlo, context_tokens=args.context_len,
+                               program_filter=args.programs,
+                               compiler_options=parse_compiler_options(args.xla_option), jobs=args.jobs,
+                               on_device=args.on_device))
     return 0
 
 

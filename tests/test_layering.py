@@ -16,16 +16,21 @@ def test_module_imports_without_jax(module):
 
 # Each layer and the layers it must never import: imports run server → engine → runner → model → kernels, and
 # parallel (mesh, sharding rules) sits beside model: checkpoint, runner and engine use it, it uses only model.
+# gpu_programs (the GPU program audit, reached from the command line only) sits beside engine and imports downward;
+# nothing that serves imports it.
 _FORBIDDEN = {
     "kernels_pallas": ("jaxserve",),
     "jaxserve/model": ("jaxserve.runner", "jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server",
-                       "jaxserve.parallel"),
+                       "jaxserve.parallel", "jaxserve.gpu_programs"),
     "jaxserve/parallel": ("jaxserve.checkpoint", "jaxserve.runner", "jaxserve.engine", "jaxserve.entrypoints",
-                          "jaxserve.server"),
-    "jaxserve/checkpoint": ("jaxserve.runner", "jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server"),
-    "jaxserve/runner": ("jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server"),
-    "jaxserve/engine": ("jaxserve.entrypoints", "jaxserve.server"),
-    "jaxserve/entrypoints": ("jaxserve.server",),
+                          "jaxserve.server", "jaxserve.gpu_programs"),
+    "jaxserve/checkpoint": ("jaxserve.runner", "jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server",
+                            "jaxserve.gpu_programs"),
+    "jaxserve/runner": ("jaxserve.engine", "jaxserve.entrypoints", "jaxserve.server", "jaxserve.gpu_programs"),
+    "jaxserve/engine": ("jaxserve.entrypoints", "jaxserve.server", "jaxserve.gpu_programs"),
+    "jaxserve/entrypoints": ("jaxserve.server", "jaxserve.gpu_programs"),
+    "jaxserve/server": ("jaxserve.gpu_programs",),
+    "jaxserve/gpu_programs": ("jaxserve.entrypoints", "jaxserve.server"),
 }
 
 

@@ -29,13 +29,17 @@ from jaxserve.runner.compile_guard import CompileGuard
 class DeviceLoraSlots:
     """`max_loras` adapter slots plus slot 0 (none), each `max_rank` wide, in the model's dtype."""
 
-    def __init__(self, model_config: LlamaConfig, mesh: Mesh, max_loras: int, max_rank: int, dtype):
+    def __init__(self, model_config: LlamaConfig, mesh: Mesh, max_loras: int, max_rank: int, dtype,
+                 placed: bool = True):
+        """`placed=False`: the stack's shapes, dtypes and shardings only, for a mesh of devices not at hand whose
+        programs are compiled but never run (ModelRunner's compile_only)."""
         self._model_config, self._mesh = model_config, mesh
         self.max_loras, self.max_rank = max_loras, max_rank
         make = functools.partial(empty_lora_stack, {p: projection_shape(model_config, p) for p in PROJECTIONS},
                                  model_config.num_hidden_layers, max_loras + 1, max_rank, dtype)
         # Made on the devices already split: no device ever holds a whole copy.
-        self.stack: LoraStack = jax.jit(make, out_shardings=self._shardings(slot_axis=True))()
+        made = jax.jit(make, out_shardings=self._shardings(slot_axis=True))
+        self.stack: LoraStack = made() if placed else made.trace().out_info
         self._writer: jax.stages.Compiled | None = None  # compiled by `compile_writer`, at warm-up
 
     def compile_writer(self, guard: CompileGuard) -> None:

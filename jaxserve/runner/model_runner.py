@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -80,6 +81,15 @@ class StartedStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProgramLowering:
+    """One program `warm_up` compiles, before it is lowered: which one, and how to lower it."""
+
+    bucket: StepBucket  # the step shape it serves; a sampler's is the decode bucket of its row count
+    sampler: bool  # the plain steps' sampler of bucket.num_seqs rows, rather than the bucket's step program
+    lower: Callable[[], jax.stages.Lowered]  # traces and lowers it; needs neither the weights nor the pool
+
+
+@dataclasses.dataclass(frozen=True)
 class WarmupStats:
     """What compiling the step programs cost at start-up."""
 
@@ -98,11 +108,17 @@ class ModelRunner:
     split over KV heads, and every step input and output other than the pool is replicated: each program's
     in/out shardings match what the next step passes in, so nothing is resharded between steps and nothing
     recompiles.
+
+    A `compile_only` runner builds the programs for devices that are described, not at hand (a GPU target compiled
+    on any machine: jaxserve/gpu_programs): it places nothing on its mesh, so it can lower and compile every
+    program but never allocate a pool or run a step. Its attention is the one the config names for the mesh's
+    platform, unchecked, since the check runs the kernel.
     """
 
     def __init__(self, model_config: LlamaConfig, graphdef: nnx.GraphDef, params: nnx.State, dtype,
                  config: EngineConfig, mesh: Mesh | None = None,
-                 kv_cache_scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None):
+                 kv_cache_scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+                 compile_only: bool = False):
         self.config = config
         self.model_config = model_config
         self.params = params  # abstract until load_params, where given so
@@ -112,7 +128,8 @@ class ModelRunner:
         # A float8 pool's (K, V) scales per layer, from the checkpoint; None: 1.0
         self.kv_cache_scales = kv_cache_scales
         self.mesh = mesh if mesh is not None else make_tp_mesh(1)  # the weights' tensor-parallel mesh
-        self.attention_backend = checked_attention_backend(config, dtype, self.kv_dtype)
+        self.attention_backend = (config.attention_implementation(self.mesh.devices.flat[0].platform) if compile_only
+                                  else checked_attention_backend(config, dtype, self.kv_dtype))
         self._replicated = NamedSharding(self.mesh, P())
         self._pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
         self.buckets = BucketSet.for_limits(config.require("max_num_batched_tokens"), config.require("max_num_seqs"),
@@ -122,13 +139,15 @@ class ModelRunner:
                                        if config.speculative_config is not None else 0)
         self.guard = CompileGuard(raise_on_compile=config.raise_on_compile)
         self.pool: PagedKVCache | None = None  # allocated once sized: allocate_pool
-        self._last_tokens = jax.device_put(np.zeros(self.buckets.max_rows, np.int32),
-                                           self._replicated)  # i32[max_rows]
+        last_tokens = np.zeros(self.buckets.max_rows, np.int32)  # i32[max_rows]
+        self._last_tokens = (_abstract_of(last_tokens, self._replicated) if compile_only
+                             else jax.device_put(last_tokens, self._replicated))
         logits_shardings = LogitsShardings(
             computed=NamedSharding(self.mesh, logits_partition_spec(model_config.vocab_size, self.mesh)),
             sampled=self._replicated)
         # The LoRA adapter slots on the devices; None: the engine serves no adapters.
-        self.lora = (DeviceLoraSlots(model_config, self.mesh, config.max_loras, config.max_lora_rank, dtype)
+        self.lora = (DeviceLoraSlots(model_config, self.mesh, config.max_loras, config.max_lora_rank, dtype,
+                                     placed=not compile_only)
                      if config.enable_lora else None)
         # Each step's padded host inputs, and the rows of recent sequences they are built from.
         self.inputs = StepInputBuilder(config, self.buckets, self.num_speculative_tokens, self.lora is not None)
@@ -205,26 +224,22 @@ class ModelRunner:
         Each program is lowered here, then compiled on a thread pool (XLA compiles release the GIL), one per core,
         while the next ones lower. Two bars count programs lowered and compiled, each to its total.
         """
-        programs = ([(self._programs, bucket, functools.partial(self._lower, bucket, num_pages))
-                     for bucket in self.buckets.all_buckets()]
-                    + [(self._sampling_programs, rows, functools.partial(self._lower_sampling, rows))
-                       for rows in self._sampling_row_counts()])
+        programs = self.program_lowerings(num_pages)
         started = time.perf_counter()
         lower_seconds = 0.0
         with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
               _program_bar("lower", len(programs), progress) as lowered_bar,
               _program_bar("compile", len(programs), progress) as compiled_bar):
             compiling = {}
-            for store, key, lower in programs:
+            for program in programs:
                 lower_started = time.perf_counter()
                 with self.guard.watch():
-                    lowered = lower()
+                    lowered = program.lower()
                 lower_seconds += time.perf_counter() - lower_started
                 lowered_bar.update()
-                compiling[workers.submit(self._compile_watched, lowered)] = (store, key)
+                compiling[workers.submit(self._compile_watched, lowered)] = program
             for done in concurrent.futures.as_completed(compiling):
-                store, key = compiling[done]
-                store[key] = done.result()
+                self._keep(compiling[done], done.result())
                 compiled_bar.update()
         if self.lora is not None:
             self.lora.compile_writer(self.guard)
@@ -233,6 +248,20 @@ class ModelRunner:
             with self.guard.watch():
                 self._channel.warm_up()
         self.guard.arm()
+
+    def program_lowerings(self, num_pages: int) -> list[ProgramLowering]:
+        """Every program `warm_up` compiles for a pool of `num_pages` pages, not yet lowered: each bucket's program
+        (a plain bucket's forward), then a sampler per row count of the plain buckets."""
+        return ([ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages))
+                 for bucket in self.buckets.all_buckets()]
+                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows))
+                   for rows in self._sampling_row_counts()])
+
+    def _keep(self, program: ProgramLowering, compiled: jax.stages.Compiled) -> None:
+        if program.sampler:
+            self._sampling_programs[program.bucket.num_seqs] = compiled
+        else:
+            self._programs[program.bucket] = compiled
 
     def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
         """The bucket's one program, or a plain bucket's forward program."""
@@ -431,6 +460,11 @@ def splits(bucket: StepBucket) -> bool:
 def _abstract(x) -> jax.ShapeDtypeStruct:
     """An array's (or placeholder's) shape, dtype and sharding."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _abstract_of(host: np.ndarray, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    """What a host array would be once placed with `sharding`, without placing it."""
+    return jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)
 
 
 def _program_bar(verb: str, total: int, shown: bool) -> tqdm:

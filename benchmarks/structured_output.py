@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from bench_machine import machine_description
@@ -61,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-shape", choices=ENGINE_SHAPES, default="builtin", help="the throughput engine's model")
     parser.add_argument("--dtype", default="float32", help="of the throughput engine's weights")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="of the throughput engine")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                        help="the throughput engine's KV pool (default: sized from device memory)")
     parser.add_argument("--skip-masks", action="store_true", help="measure throughput only")
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
@@ -128,7 +131,8 @@ def throughput_engine(args: argparse.Namespace) -> tuple[LLMEngine, Any]:
     model = model_of_shape(args.model_shape, args.dtype, seed=0)
     tokenizer = load_tokenizer(BUILTIN_MODEL_DIR)
     engine = LLMEngine(model, tokenizer, EngineConfig(max_model_len=256, max_num_seqs=args.max_num_seqs,
-                                                      max_num_batched_tokens=256), progress=False)
+                                                      max_num_batched_tokens=256,
+                                                      kv_cache_memory_gb=args.kv_cache_memory_gb), progress=False)
     vocab = model.config.vocab_size
     if vocab <= tokenizer.vocab_size:
         return engine, tokenizer
@@ -167,7 +171,21 @@ def measure_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "constrained_over_unconstrained": statistics.median(ratios["constrained_over_unconstrained"]),
             "overlap_over_no_overlap": statistics.median(ratios["overlap_over_no_overlap"]), "ratios": ratios,
             "host_ms_per_step": engine.phase_times.per_step_ms(),
-            "compiles_after_warmup": engine.compiles_after_warmup}
+            "compiles_after_warmup": engine.compiles_after_warmup, "device_memory": _device_memory(engine)}
+
+
+def _device_memory(engine: LLMEngine) -> dict[str, int] | None:
+    """The device allocator's peak and the pool's and weights' bytes (None where the backend keeps no statistics):
+    a peak well above weights + pool + workspace means a program allocated what its compiled temp did not say."""
+    stats = jax.local_devices()[0].memory_stats()
+    if not stats:
+        return None
+    runner = engine.runner
+    pool = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.pool))
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.params))
+    return {"peak_bytes_in_use": stats.get("peak_bytes_in_use", 0), "bytes_limit": stats.get("bytes_limit", 0),
+            "pool_bytes": pool, "weight_bytes": weights,
+            "largest_workspace_bytes": max(runner.compiled_workspaces().values(), default=0)}
 
 
 def _matches(token_ids, tokenizer) -> bool:

@@ -2,7 +2,9 @@
 # On an NVIDIA host add the CUDA extra: make run EXTRAS=cuda13 (or cuda12).
 EXTRAS ?=
 comma := ,
-TEST_EXTRAS := test,parity$(if $(EXTRAS),$(comma)$(EXTRAS))
+# gpu-audit: JAX's CUDA plugin, with which tests/test_gpu_audit.py compiles the step programs for H100/H200 targets
+# (no GPU needed; about 4.9 GB of NVIDIA libraries).
+TEST_EXTRAS := test,parity,gpu-audit$(if $(EXTRAS),$(comma)$(EXTRAS))
 
 .PHONY: run test gpu-check
 

@@ -1,6 +1,13 @@
 """Shared fixtures: one built-in-model LLM per test session (loading and compiling once keeps the suite fast)."""
 
+import os
+
 import pytest
+
+# The suite runs on the CPU. The test extras bring JAX's CUDA plugin (for the GPU program audit, which compiles for a
+# described GPU); on a machine without a GPU JAX would otherwise try it first and log a failed CUDA start-up in every
+# process. Set before anything imports JAX, and inherited by the servers and probes the tests start.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,8 @@ PALLAS_INTERPRET_BACKEND = "pallas-interpret"
 # What users choose from (--attention-backend); auto picks the kernel where it compiles (a GPU), XLA elsewhere.
 ATTENTION_BACKEND_CHOICES = ("auto", PALLAS_BACKEND, XLA_BACKEND)
 MAX_TOKENS_POLICIES = ("cap", "reject")
+# --gemm-backend: how GPU step programs compile their projection GEMMs (jaxserve/runner/compile_options.py).
+GEMM_BACKENDS = ("auto", "cublas", "triton")
 QUANTIZATIONS = ("int8", "fp8")  # --quantization: weight formats of jaxserve/model/quantization.py
 # --kv-cache-dtype: the model's dtype, or float8 (jaxserve/model/kv_quantization.py); fp8 is fp8_e4m3, as in vLLM.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -89,6 +91,10 @@ class EngineConfig:
                                       "(the Pallas kernel) or xla")
     pallas_interpret: bool = _setting(False, "run the Pallas kernel through Pallas' interpreter (slow; on any "
                                       "device, CPU included)")
+    gemm_backend: str = _setting("auto", "how a GPU step program's projection GEMMs compile: auto (cublas for "
+                                 "unquantized weights, triton for int8/fp8 ones), cublas (cuBLAS reading each "
+                                 "layer's slice of the stacked weights in place) or triton (XLA's Triton GEMM "
+                                 "fusions, its default, which copy each layer's weight slices first)")
 
     # Speculative decoding: str (the flag's JSON) or dict (LLM(...)) on the way in, a SpeculativeConfig once created.
     speculative_config: str | dict | SpeculativeConfig | None = _setting(
@@ -178,6 +184,7 @@ class EngineConfig:
             raise ConfigError(f"max_tokens_policy must be one of {', '.join(MAX_TOKENS_POLICIES)}, got "
                               f"{self.max_tokens_policy!r}")
         self._check_attention_choice()
+        self._check_gemm_backend()
         self._check_chunking()
 
     @property
@@ -228,6 +235,11 @@ class EngineConfig:
                               f"{platform!r}; add pallas_interpret (--pallas-interpret) to run the kernel through "
                               f"Pallas' interpreter, or choose xla")
         return XLA_BACKEND
+
+    def _check_gemm_backend(self) -> None:
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ConfigError(f"{_named('gemm_backend')} must be one of {', '.join(GEMM_BACKENDS)}, got "
+                              f"{self.gemm_backend!r}")
 
     def _check_attention_choice(self) -> None:
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:

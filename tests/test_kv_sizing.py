@@ -10,8 +10,8 @@ from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.device_memory import MEM_FRACTION_VARS, claim_device_memory
 from jaxserve.engine import startup
-from jaxserve.engine.kv_sizing import (WORKSPACE_SLACK_BYTES, bytes_per_page, check_workspace_plan, device_budget_bytes,
-                                      resolve_num_pages)
+from jaxserve.engine.kv_sizing import (STEP_IO_MARGIN_SHARE, WORKSPACE_SLACK_BYTES, XLA_SCHEDULER_MEMORY_SHARE,
+                                      bytes_per_page, check_workspace_plan, device_budget_bytes, resolve_num_pages)
 from jaxserve.errors import ConfigError
 from jaxserve.runner.model_runner import ModelRunner
 
@@ -103,6 +103,18 @@ def test_utilization_is_a_share_of_the_device_not_of_the_allocator_limit():
     stats = {"bytes_limit": 750}
     assert device_budget_bytes(stats, 0.5, mem_fraction=0.75) == pytest.approx(500)
     assert device_budget_bytes(stats, 0.9, mem_fraction=0.75) == 750
+
+
+def test_a_memory_sized_pool_keeps_weights_and_pool_within_xlas_scheduling_share_of_the_device():
+    """At the 8B H100 preset's 0.92 utilization the arguments of every step (weights + pool) would exceed the 80% of
+    the device XLA:GPU schedules a program in, and it would recompute projections (reading their weights twice per
+    step, as the GPU program audit showed): the budget stops short of that share, less the steps' other inputs."""
+    device = 80 * 2**30
+    stats = {"bytes_limit": 0.92 * device}
+    budget = device_budget_bytes(stats, 0.92, mem_fraction=0.92)
+    assert budget == pytest.approx((XLA_SCHEDULER_MEMORY_SHARE - STEP_IO_MARGIN_SHARE) * device)
+    assert budget < XLA_SCHEDULER_MEMORY_SHARE * device
+    assert device_budget_bytes(stats, 0.5, mem_fraction=0.92) == pytest.approx(0.5 * device)  # below it: unchanged
 
 
 def test_pool_sizing_reads_the_allocator_limit_as_its_share_of_the_device(builtin):

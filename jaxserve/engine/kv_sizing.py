@@ -29,11 +29,20 @@ def device_memory_stats() -> dict | None:
     return stats if stats and "bytes_limit" in stats else None
 
 
+# XLA:GPU schedules a program within 80% of the device's memory, less the program's arguments and outputs; where
+# those alone exceed it (weights and a pool sized to 92% of the device), it "rematerializes": it recomputes values,
+# projections among them, reading their weights twice per step (the GPU program audit counts the recomputed
+# operations). A memory-sized pool stays within that share, less a margin for the step's other inputs and outputs.
+XLA_SCHEDULER_MEMORY_SHARE = 0.80
+STEP_IO_MARGIN_SHARE = 0.01
+
+
 def device_budget_bytes(memory_stats: dict, gpu_memory_utilization: float, mem_fraction: float) -> float:
-    """The utilization's share of the device's whole memory, which the allocator's limit (its share
-    `mem_fraction` of the device) caps."""
+    """What weights, workspace and pool may take: the utilization's share of the device's whole memory, capped by
+    the allocator's limit (its share `mem_fraction` of the device) and by what XLA:GPU's scheduler counts on."""
     device_bytes = memory_stats["bytes_limit"] / mem_fraction
-    return min(device_bytes * gpu_memory_utilization, memory_stats["bytes_limit"])
+    scheduler_bytes = device_bytes * (XLA_SCHEDULER_MEMORY_SHARE - STEP_IO_MARGIN_SHARE)
+    return min(device_bytes * gpu_memory_utilization, memory_stats["bytes_limit"], scheduler_bytes)
 
 
 def resolve_num_pages(model: LlamaConfig, dtype, *, page_size: int, max_num_seqs: int, max_model_len: int,

@@ -324,12 +324,18 @@ class LLMEngine:
         self.phase_times.steps += 1
 
     def _may_overlap(self) -> bool:
-        """Async overlap schedules a step before the previous one's tokens are read back, which penalties (they
-        count the outputs) and speculative decoding (drafts continue the known tokens) cannot wait for."""
-        return self.config.async_scheduling and self.config.speculative_config is None and not any(
-            request.params.uses_penalties
-            for request in map(self.scheduler.get_request, self._parent_of) if request is not None
-        )
+        """Async overlap schedules a step before the previous one's tokens are read back, which penalties cannot
+        wait for (they count the outputs), nor a step after one that verified drafts (how many it accepted decides
+        where the next tokens go). Speculation waits only for the steps that may bring drafts: a draft continues
+        the tokens read back, so a step scheduled before the read-back brings none, and while the proposer expects
+        none (an n-gram finds no earlier occurrence) the steps overlap as plain ones do."""
+        if not self.config.async_scheduling or any(
+                request.params.uses_penalties
+                for request in map(self.scheduler.get_request, self._parent_of) if request is not None):
+            return False
+        if self._in_flight is not None and any(s.num_draft_tokens for s in self._in_flight.schedule.sequences):
+            return False
+        return not self.scheduler.drafts_expected()
 
     def _constrains(self, schedule: SchedulerOutput) -> bool:
         """Some row of the step draws under a grammar."""

@@ -35,6 +35,11 @@ class NgramProposer(SequenceProposer):
             del self._histories[request_id]
         return drafts
 
+    def expects_drafts(self, requests: Sequence[Request]) -> bool:
+        """Some running request's known tokens end with an n-gram seen earlier in it: it is likely to again once its
+        token in flight is known (a sequence that repeats itself goes on repeating)."""
+        return any(self._lookup(self._history(request), 1) for request in requests)
+
     def propose(self, token_ids: Sequence[int], max_drafts: int) -> tuple[int, ...]:
         """Drafts to follow `token_ids` (every id known), at most max_drafts; () when no suffix recurs."""
         return self._lookup(np.asarray(token_ids, np.int64), max_drafts)

@@ -25,6 +25,12 @@ class Proposer(abc.ABC):
     def propose_batch(self, slots: Sequence[DraftSlot]) -> list[tuple[int, ...]]:
         """Drafts for each slot, at most its max_drafts (() for none)."""
 
+    def expects_drafts(self, requests: Sequence[Request]) -> bool:
+        """Whether it would propose drafts for some of these running requests once their tokens in flight are
+        known, judged from the tokens known now. A step scheduled before the read-back gets no drafts, so True
+        makes the engine wait for it; a proposer that always drafts (a draft model) says True."""
+        return bool(requests)
+
 
 class SequenceProposer(Proposer):
     """A proposer that looks at one sequence's known tokens at a time."""

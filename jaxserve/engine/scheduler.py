@@ -147,6 +147,11 @@ class Scheduler:
             self._register_full_pages(request)
         return self._emit(plan)
 
+    def drafts_expected(self) -> bool:
+        """Whether the proposer (speculative decoding) expects drafts for a running request from its known tokens:
+        then the next step should wait for the tokens in flight (drafts continue them) rather than overlap."""
+        return self.proposer is not None and self.proposer.expects_drafts(self._running)
+
     def forget_steps_in_flight(self) -> None:
         """After a failed step (its requests aborted): the outputs of the steps scheduled so far never come back."""
         self._steps_in_flight.clear()

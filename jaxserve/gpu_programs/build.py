@@ -163,7 +163,9 @@ def _compile(engine: AbstractEngine, program: ProgramLowering, lowered: jax.stag
     with tempfile.TemporaryDirectory(prefix="xla-dump-") as scratch:
         dumps = dump_dir if dump_dir is not None else Path(scratch)
         started = time.perf_counter()
-        compiled = lowered.compile(compiler_options={**compiler_options, "xla_dump_to": str(dumps)})
+        # The product's options for the program first (the runner's choice), then those the command adds.
+        options = {**program.compiler_options, **compiler_options, "xla_dump_to": str(dumps)}
+        compiled = lowered.compile(compiler_options=options)
         compile_seconds = time.perf_counter() - started
         thunks = read_thunks(dumps)
     arguments = program_arguments(lowered, compiled, weights_first=not program.sampler)

@@ -50,6 +50,7 @@ from jaxserve.parallel.process_group import abort_group
 from jaxserve.runner.attention_check import checked_attention_backend
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
+from jaxserve.runner.compile_options import step_compiler_options
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.lora_slots import DeviceLoraSlots
 from jaxserve.runner.packed_inputs import PackedLayout
@@ -87,6 +88,7 @@ class ProgramLowering:
     bucket: StepBucket  # the step shape it serves; a sampler's is the decode bucket of its row count
     sampler: bool  # the plain steps' sampler of bucket.num_seqs rows, rather than the bucket's step program
     lower: Callable[[], jax.stages.Lowered]  # traces and lowers it; needs neither the weights nor the pool
+    compiler_options: dict  # XLA options it compiles with (runner/compile_options.py); {}: XLA's defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +134,10 @@ class ModelRunner:
                                   else checked_attention_backend(config, dtype, self.kv_dtype))
         self._replicated = NamedSharding(self.mesh, P())
         self._pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
+        # XLA options of the step programs (samplers keep the defaults): on a GPU, GEMMs that read each layer's
+        # weight slice in place where the weights allow it (runner/compile_options.py)
+        self._step_options = step_compiler_options(self.mesh.devices.flat[0].platform, config.gemm_backend,
+                                                   _has_quantized_weights(params))
         self.buckets = BucketSet.for_limits(config.require("max_num_batched_tokens"), config.require("max_num_seqs"),
                                             speculative=config.speculative_config is not None)
         # Drafts per row of a verifying step (K), fixing its programs' shapes; 0 without speculative decoding.
@@ -205,7 +211,7 @@ class ModelRunner:
     def step_workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
         """Temporary memory of the bucket's program (a plain bucket's forward) against a pool of `num_pages`."""
         with self.guard.watch():
-            return _temp_bytes(self._lower(bucket, num_pages).compile())
+            return _temp_bytes(self._lower(bucket, num_pages).compile(compiler_options=self._step_options or None))
 
     def load_params(self, params: nnx.State) -> None:
         """Attaches the real weights, which must match the abstract ones the programs were compiled for."""
@@ -237,7 +243,7 @@ class ModelRunner:
                     lowered = program.lower()
                 lower_seconds += time.perf_counter() - lower_started
                 lowered_bar.update()
-                compiling[workers.submit(self._compile_watched, lowered)] = program
+                compiling[workers.submit(self._compile_watched, lowered, program.compiler_options)] = program
             for done in concurrent.futures.as_completed(compiling):
                 self._keep(compiling[done], done.result())
                 compiled_bar.update()
@@ -252,9 +258,10 @@ class ModelRunner:
     def program_lowerings(self, num_pages: int) -> list[ProgramLowering]:
         """Every program `warm_up` compiles for a pool of `num_pages` pages, not yet lowered: each bucket's program
         (a plain bucket's forward), then a sampler per row count of the plain buckets."""
-        return ([ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages))
+        return ([ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages),
+                                 self._step_options)
                  for bucket in self.buckets.all_buckets()]
-                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows))
+                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows), {})
                    for rows in self._sampling_row_counts()])
 
     def _keep(self, program: ProgramLowering, compiled: jax.stages.Compiled) -> None:
@@ -309,9 +316,9 @@ class ModelRunner:
                                                                                                num_rows)).sampling)
         return self._sampling_layouts[num_rows]
 
-    def _compile_watched(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    def _compile_watched(self, lowered: jax.stages.Lowered, compiler_options: dict) -> jax.stages.Compiled:
         with self.guard.watch():
-            return lowered.compile()
+            return lowered.compile(compiler_options=compiler_options or None)
 
     def execute(self, schedule: SchedulerOutput,
                 masks: dict[int, np.ndarray] | None = None) -> PendingStep:  # row -> i32[W]
@@ -455,6 +462,12 @@ def splits(bucket: StepBucket) -> bool:
     """A plain bucket runs as a forward program and a sampling program; other variants (penalties, prompt scores,
     drafts: their samplers read more than the sampled rows' logits) as one program."""
     return not (bucket.penalties or bucket.prompt_logits or bucket.drafts)
+
+
+def _has_quantized_weights(params: nnx.State) -> bool:
+    """Some weight is stored in one byte (int8 or a float8): quantized, as loaded or as the checkpoint was."""
+    return any(np.dtype(leaf.dtype).itemsize == 1 and np.dtype(leaf.dtype) != np.bool_
+               for leaf in jax.tree.leaves(params))
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:

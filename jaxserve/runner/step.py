@@ -191,6 +191,10 @@ def _gathered_logits(
     hidden: jax.Array,  # f[rows, hidden]
     shardings: LogitsShardings | None,
 ) -> jax.Array:  # f32[rows, vocab], whole on every device
+    if hidden.shape[0] == 1:
+        # One row is a vector-matrix product, which cuBLAS runs on a float32 copy of the whole head (2 GB at
+        # Llama-3's vocabulary, every step); two rows are a matrix product over the weight as it is.
+        return _gathered_logits(model, jnp.concatenate([hidden, hidden]), shardings)[:1]
     logits = model.logits(hidden)
     if shardings is None:
         return logits

@@ -98,6 +98,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    from jaxserve.server.config import METRICS_PREFIXES  # a light module: no JAX, no web framework
+
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
@@ -108,6 +110,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
                         "tokens_per_minute and max_concurrent_requests (over a limit: 429 with Retry-After); "
                         "reread on SIGHUP; excludes --api-key")
     parser.add_argument("--metrics-need-key", action="store_true", help="/metrics asks for the API key too")
+    parser.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default="jaxserve",
+                        help="name the /metrics series jaxserve:*, or vllm:* with vLLM's names, labels and buckets "
+                        "for vLLM's dashboards, alerts and endpoint pickers (default: jaxserve)")
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the model ids clients may use; answers carry the first (default: the folder's name)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
@@ -210,7 +215,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout, stream_timeout_s=args.stream_timeout,
         profile_dir=args.profile_dir, allow_unknown_fields=args.allow_unknown_fields,
-        metrics_need_key=args.metrics_need_key,
+        metrics_need_key=args.metrics_need_key, metrics_prefix=args.metrics_prefix,
         lora_modules=tuple(parse_lora_module(entry) for entry in args.lora_modules))
     if config.lora_modules and not engine_config.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")

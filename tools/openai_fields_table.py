@@ -10,7 +10,9 @@ import json
 
 from pydantic import BaseModel
 
-from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, ChatMessage, CompletionRequestBody, refusal_of
+from jaxserve.entrypoints.protocol import (ChatCompletionRequestBody, ChatMessage, CompletionRequestBody,
+                                           ResponsesFunctionTool, ResponsesMessageItem, ResponsesRequestBody,
+                                           refusal_of)
 
 
 def field_status(model: type[BaseModel]) -> dict[str, str]:
@@ -34,7 +36,10 @@ def markdown() -> str:
     tables = [("`/v1/completions` and `/v1/chat/completions`", {name: completions[name] for name in shared}),
               ("`/v1/completions` only", {n: s for n, s in completions.items() if n not in shared}),
               ("`/v1/chat/completions` only", {n: s for n, s in chat.items() if n not in shared}),
-              ("a chat message (`messages[i]`)", field_status(ChatMessage))]
+              ("a chat message (`messages[i]`)", field_status(ChatMessage)),
+              ("`/v1/responses`", field_status(ResponsesRequestBody)),
+              ("a message item of the input (`input[i]`)", field_status(ResponsesMessageItem)),
+              ("a function tool (`tools[i]` of `/v1/responses`)", field_status(ResponsesFunctionTool))]
     return "\n\n".join("\n".join([f"| field | {title} |", "|---|---|", *(f"| `{n}` | {s} |" for n, s in rows.items())])
                        for title, rows in tables)
 

@@ -72,7 +72,7 @@ class ServerContext:
 
 def create_app(context: ServerContext) -> Quart:
     # They import this module for server_context.
-    from jaxserve.server import chat, completions, lora_routes, ops, tokenizer_routes
+    from jaxserve.server import chat, completions, lora_routes, ops, responses, tokenizer_routes
 
     app = Quart("jaxserve", static_folder=None)  # an API: no /static route
     app.asgi_app = releasing_admissions(dropping_slow_clients(app.asgi_app, context.config.stream_timeout_s),
@@ -85,7 +85,7 @@ def create_app(context: ServerContext) -> Quart:
     app.before_serving(_start_engine)
     app.after_serving(_stop_engine)
     app.after_serving(_stop_workers)
-    for routes in (completions, chat, tokenizer_routes, lora_routes, ops):
+    for routes in (completions, chat, responses, tokenizer_routes, lora_routes, ops):
         app.register_blueprint(routes.blueprint)
     return app
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from jaxserve.errors import ConfigError
 
+METRICS_PREFIXES = ("jaxserve", "vllm")  # how /metrics may name its series (server/metrics.py)
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -29,6 +31,9 @@ class ServerConfig:
     stream_timeout_s: float = 60.0
     profile_dir: Path | None = None  # where /start_profile writes JAX profiler traces; None disables the routes
     metrics_need_key: bool = False  # /metrics asks for the API key too (it stays open by default, for scrapers)
+    # /metrics names its series jaxserve:*, or vllm:* with vLLM's names, labels and buckets for the series vLLM has
+    # too, so that vLLM's dashboards, alerts, autoscalers and endpoint pickers read this server unchanged
+    metrics_prefix: str = "jaxserve"
     allow_unknown_fields: bool = False  # drop request fields no one declared instead of answering 400
     # (name, folder) of each LoRA adapter to serve from the start (--lora-modules); needs the engine's enable_lora
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -47,6 +52,9 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if not self.served_model_names or not all(self.served_model_names):
             raise ConfigError("served_model_names must hold at least one non-empty name")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ConfigError(f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, "
+                              f"got {self.metrics_prefix!r}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty")
         if self.api_key is not None and self.api_keys_file is not None:

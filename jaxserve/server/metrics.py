@@ -1,5 +1,10 @@
 """Prometheus metrics of one app, named like vLLM's (`jaxserve:` for `vllm:`) so its dashboards carry over.
 
+`--metrics-prefix vllm` serves them as vLLM does: `vllm:` names, vLLM's `model_name` and `engine` labels on every
+series, vLLM's histogram buckets, and two of vLLM's older names beside their successors, so vLLM's dashboards,
+alerts, autoscalers and inference-gateway endpoint pickers read this server unchanged. The instruments are kept
+once, under `jaxserve:`; each scrape renders them under the configured prefix (`_Exposition`).
+
 Engine gauges are read from the engine thread's latest snapshot at scrape time. Request timings and token counts come
 from one `RequestObserver` per engine request, fed by `streams.merged_events`, the path every request takes. Timings
 are per continuation (each of a request's n choices), as vLLM times its child requests.
@@ -8,16 +13,25 @@ are per continuation (each of a request's n choices), as vLLM times its child re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from jaxserve.engine.async_engine import EngineEvent
 from jaxserve.engine.scheduler_stats import SchedulerStats, SpecDecodeStats
 from jaxserve.outputs import CompletionDelta
 from jaxserve.server.api_keys_file import LIMIT_FIELDS
+
+
+OWN_PREFIX = "jaxserve:"  # the instruments' names; a scrape under another prefix renames them
+VLLM_ENGINE = "0"  # vLLM's `engine` label, the engine core's index: this server runs one engine
+# vLLM's former names of two series (gpu_cache_usage_perc, renamed in 0.9; time_per_output_token_seconds, renamed
+# in 0.11), which older dashboards and endpoint pickers still read: the vllm prefix serves both names of each.
+VLLM_FORMER_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc",
+                     "inter_token_latency_seconds": "time_per_output_token_seconds"}
 
 
 def _ladder(low_exponent: int, high_exponent: int) -> list[float]:
@@ -26,21 +40,34 @@ def _ladder(low_exponent: int, high_exponent: int) -> list[float]:
     return steps + [float(f"1e{high_exponent}")]
 
 
+# Each histogram's bucket bounds under each prefix: ours, and vLLM's own (vllm/v1/metrics/loggers.py), so that an
+# alert on one of vLLM's bounds (`le="0.75"`) finds it. The instrument counts at the bounds of both; a scrape keeps
+# its prefix's, which is exact because buckets are cumulative.
+TTFT_BUCKETS = {"jaxserve": _ladder(-3, 2),
+                "vllm": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]}
+ITL_BUCKETS = {"jaxserve": _ladder(-4, 1),
+               "vllm": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                        40.0, 80.0]}
+E2E_BUCKETS = {"jaxserve": _ladder(-2, 3),
+               "vllm": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                        480.0, 960.0, 1920.0, 7680.0]}
+
+
 class ServerMetrics:
     """The app's registry and the instruments the request path updates; one per app, never the global registry."""
 
     def __init__(self, engine_stats: Callable[[], SchedulerStats]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(engine_stats))
-        self.time_to_first_token = Histogram(
-            "jaxserve:time_to_first_token_seconds", "From submission to a continuation's first token.",
-            buckets=_ladder(-3, 2), registry=self.registry)
-        self.inter_token_latency = Histogram(
-            "jaxserve:inter_token_latency_seconds", "Gap between consecutive tokens of a continuation.",
-            buckets=_ladder(-4, 1), registry=self.registry)
-        self.e2e_request_latency = Histogram(
-            "jaxserve:e2e_request_latency_seconds", "From submission to a continuation's last token.",
-            buckets=_ladder(-2, 3), registry=self.registry)
+        # Histogram name (after the prefix) -> prefix -> the bucket bounds a scrape under that prefix shows
+        self._bucket_bounds: dict[str, Mapping[str, list[float]]] = {}
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds", "From submission to a continuation's first token.", TTFT_BUCKETS)
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds", "Gap between consecutive tokens of a continuation.", ITL_BUCKETS)
+        self.e2e_request_latency = self._histogram(
+            "e2e_request_latency_seconds", "From submission to a continuation's last token.", E2E_BUCKETS)
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of requests that produced a token.",
                                      registry=self.registry)
         self.generation_tokens = Counter("jaxserve:generation_tokens", "Generated tokens, aborted requests' included.",
@@ -64,6 +91,12 @@ class ServerMetrics:
         self.api_key_generation_tokens = Counter(
             "jaxserve:api_key_generation_tokens", "Generated tokens of ended requests (aborted ones' included), by "
             "API key name.", ["key_name"], registry=self.registry)
+
+    def _histogram(self, name: str, documentation: str, bounds: Mapping[str, list[float]]) -> Histogram:
+        """A histogram counting at the bounds of every prefix; a scrape shows its own prefix's (`_Exposition`)."""
+        self._bucket_bounds[name] = bounds
+        every_bound = sorted(set().union(*bounds.values()))
+        return Histogram(OWN_PREFIX + name, documentation, buckets=every_bound, registry=self.registry)
 
     def request_observer(self, num_prompt_tokens: int, n: int) -> RequestObserver:
         return RequestObserver(self, num_prompt_tokens, n)
@@ -90,9 +123,11 @@ class ServerMetrics:
         self.api_key_prompt_tokens.labels(name).inc(prompt)
         self.api_key_generation_tokens.labels(name).inc(generated)
 
-    def exposition(self) -> tuple[bytes, str]:
-        """The registry in Prometheus' text format, and that format's content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def exposition(self, prefix: str = "jaxserve", model_name: str = "") -> tuple[bytes, str]:
+        """The registry in Prometheus' text format under `prefix` ("jaxserve" or "vllm"; for vllm, `model_name` is
+        the served model's name vLLM labels every series with), and that format's content type."""
+        view = _Exposition(self.registry, prefix, model_name, self._bucket_bounds)
+        return generate_latest(view), CONTENT_TYPE_LATEST
 
 
 class RequestObserver:
@@ -133,6 +168,41 @@ class RequestObserver:
             self._ended.add(delta.index)
             metrics.e2e_request_latency.observe(now - self._submitted)
             metrics.request_success.labels(delta.finish_reason).inc()
+
+
+class _Exposition(Collector):
+    """The registry's series as a scrape under one prefix shows them: renamed, with that prefix's histogram buckets,
+    and under vllm with vLLM's labels and its former names too."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str,
+                 bucket_bounds: Mapping[str, Mapping[str, list[float]]]):
+        self._registry = registry
+        self._prefix = prefix
+        # vLLM labels every series with the served model's name and the engine's index; ours adds none
+        self._labels = {"model_name": model_name, "engine": VLLM_ENGINE} if prefix == "vllm" else {}
+        self._bucket_bounds = bucket_bounds
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            name = family.name.removeprefix(OWN_PREFIX)
+            bounds = self._bucket_bounds.get(name, {}).get(self._prefix)
+            samples = [s for s in family.samples if bounds is None or _bucket_shown(s, bounds)]
+            yield self._renamed(family, name, samples)
+            if self._prefix == "vllm" and name in VLLM_FORMER_NAMES:
+                yield self._renamed(family, VLLM_FORMER_NAMES[name], samples)
+
+    def _renamed(self, family: Metric, name: str, samples: list[Sample]) -> Metric:
+        renamed = Metric(f"{self._prefix}:{name}", family.documentation, family.type, family.unit)
+        # A sample is named by its family plus a suffix (_total, _bucket, _sum, _created ...), which it keeps
+        renamed.samples = [s._replace(name=renamed.name + s.name.removeprefix(family.name),
+                                      labels={**self._labels, **s.labels}) for s in samples]
+        return renamed
+
+
+def _bucket_shown(sample: Sample, bounds: list[float]) -> bool:
+    """Whether a histogram's sample is shown when its buckets are `bounds`: every sample but the other buckets."""
+    upper = sample.labels.get("le") if sample.name.endswith("_bucket") else None
+    return upper is None or upper == "+Inf" or float(upper) in bounds
 
 
 class _EngineStatsCollector(Collector):

@@ -36,8 +36,10 @@ async def health() -> Response:
 @blueprint.get("/metrics")
 @declares(RouteSchema(content_type="text/plain"))
 async def metrics() -> Response:
-    """Prometheus metrics: engine queue and KV pages, request latencies, token and request counts."""
-    body, content_type = server_context().metrics.exposition()
+    """Prometheus metrics: engine queue and KV pages, request latencies, token and request counts; named `jaxserve:*`,
+    or as vLLM names them with --metrics-prefix vllm."""
+    context = server_context()
+    body, content_type = context.metrics.exposition(context.config.metrics_prefix, context.config.served_model_name)
     return Response(body, content_type=content_type)
 
 

@@ -25,10 +25,18 @@ from gpu_parts.env import parse_gpu_rows  # noqa: E402
 from gpu_parts.kernel_check import Case, kernel_variant, ragged_batch  # noqa: E402
 from gpu_parts.isolation import GRACE_S  # noqa: E402
 from gpu_parts.report import COMBINED_LOG, REPORT_JSON, REPORT_MARKDOWN  # noqa: E402
-from gpu_parts.engine_parity import REFERENCE, log_prob_errors  # noqa: E402
+from gpu_parts.context import PartContext  # noqa: E402
+from gpu_parts.engine_parity import REFERENCE, log_prob_errors, reference_settings  # noqa: E402
+from gpu_parts import structured_output as structured_part  # noqa: E402
 from gpu_parts.serving import cover_vocabulary  # noqa: E402
 from gpu_parts import lora as lora_part  # noqa: E402
 import lora as lora_benchmark  # noqa: E402
+import structured_output as structured_benchmark  # noqa: E402
+from engine_bench import ENGINE_VARIANTS, engine_config, engine_settings, parse_args  # noqa: E402
+from model_shapes import LLAMA3_8B_CONFIG  # noqa: E402
+from jaxserve.engine.kv_sizing import bytes_per_page  # noqa: E402
+from jaxserve.model.config import LlamaConfig  # noqa: E402
+from jaxserve.runner.buckets import BucketSet  # noqa: E402
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR  # noqa: E402
 from jaxserve.tokenizer import load_tokenizer  # noqa: E402
@@ -102,6 +110,37 @@ def test_engine_parity_passes_bf16_noise_and_fails_a_kernel_that_moves_log_proba
     assert noise["log_prob_verdicts"] == {"prefill": True, "decode": True}
     assert noise["log_prob_errors"]["pallas"]["decode"]["positions"] == 2  # the run's tokens on the sequence
     assert verdicts(wrong_scores, wrong)["log_prob_verdicts"] == {"prefill": False, "decode": False}
+
+
+def test_engine_parity_reference_compiles_one_decode_and_one_mixed_shape_at_the_gpu_settings():
+    """On an H100 the float32 reference engine (one batch of 32 rows, 1024-token steps: 38 programs over 12 row
+    counts) was still starting when the part's budget ran out. Scoring one sequence at a time in 16-token steps, it
+    compiles two step shapes (and their variants), holds the longest scored sequence, and its pool one sequence."""
+    part = PARTS_BY_NAME["engine_parity"].gpu_args
+    settings = engine_settings(parse_args(part["engine_args"]))
+    longest = [0] * (settings.prompt_len + part["new_tokens"])
+    config = engine_config(reference_settings(settings, [longest] * part["prompts"]), ENGINE_VARIANTS["xla"])
+    buckets = BucketSet.for_limits(config.max_num_batched_tokens, config.max_num_seqs).all_buckets()
+    assert {(bucket.num_tokens, bucket.num_seqs) for bucket in buckets} == {(1, 1), (16, 1)} and len(buckets) == 5
+    assert config.max_model_len >= len(longest)
+    assert config.num_kv_pages == -(-config.max_model_len // config.block_size) + 1
+    with pytest.raises(ValueError, match="exceeds the reference engine"):
+        reference_settings(settings, [[0] * (config.max_model_len + 1)])
+
+
+def test_structured_output_part_sizes_its_pool_to_its_sequences_not_to_device_memory():
+    """The pool sized from memory failed to allocate one 22 GiB K (or V) array on an H100; the part's pool holds the
+    run's 64 sequences of the benchmark's longest with room, and stays below the 20 GB that passed there."""
+    args = PARTS_BY_NAME["structured_output"].gpu_args["args"]
+    gpu, smoke = (PartContext(Path("out"), Path("work"), smoke, None) for smoke in (False, True))
+    assert structured_part.script_args(smoke, args) == args
+    gpu_args = structured_part.script_args(gpu, args)
+    pool_gib = float(gpu_args[gpu_args.index("--kv-cache-memory-gb") + 1])
+    benchmark = structured_benchmark.parse_args(gpu_args)
+    per_page = bytes_per_page(LlamaConfig.from_hf_dict(LLAMA3_8B_CONFIG), 16, np.dtype("bfloat16"))
+    needed = benchmark.max_num_seqs * -(-structured_benchmark.MAX_MODEL_LEN // 16) * per_page
+    assert benchmark.model_shape == "llama-3.1-8b" and 2 * needed <= pool_gib * 2**30 <= 20e9
+    assert structured_part.script_args(gpu, [*args, "--kv-cache-memory-gb", "3"])[-1] == "3"  # theirs wins
 
 
 def test_random_checkpoints_tokenizer_spells_every_id_the_model_can_sample(tmp_path):
@@ -202,6 +241,11 @@ def assert_figures_of_every_part(parts: dict) -> None:
     assert all(row["pallas_us"] > 0 and row["worst_error"] < 1e-4 for row in figures["lora_kernels"]["rows"])
     host = figures["host_overhead"]["host_ms"]
     assert set(host) == {"8"} and host["8"]["update+outputs"]["median_ms"] > 0
+    masks, throughput = figures["structured_output"]["masks"], figures["structured_output"]["throughput"]
+    assert masks["identical_masks"] and set(masks["ms_per_step_median"]) == {"sequential", "parallel"}
+    assert set(throughput["tokens_per_s_median"]) == {"constrained", "unconstrained", "constrained-no-overlap",
+                                                      "constrained-sequential-masks"}
+    assert throughput["valid_outputs"] == throughput["requests"] and throughput["parallel_over_sequential_masks"] > 0
 
 
 @pytest.mark.slow

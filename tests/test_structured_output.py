@@ -99,6 +99,126 @@ def test_the_device_mask_agrees_with_llguidances_numpy_mask():
     np.testing.assert_array_equal(np.asarray(jax.jit(_apply_token_mask)(logits, masks)), expected)
 
 
+def _allowed_ids(mask: np.ndarray, vocab: int) -> np.ndarray:  # mask: i32[W]
+    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab])
+
+
+# Grammars of every kind, several rows each, scattered over a step's rows with unconstrained rows between them.
+DIFFERENTIAL_CONSTRAINTS = [*(StructuredOutputsParams(json=schema) for schema in SCHEMAS.values()),
+                            StructuredOutputsParams(regex=r"[a-c]{3}-\d{2}(-[xyz]+)?"),
+                            StructuredOutputsParams(choice=["Paris", "Lyon", "Marseille"]),
+                            StructuredOutputsParams(grammar='start: "id=" NUM ("," NUM)*\nNUM: /[0-9]{1,3}/'),
+                            StructuredOutputsParams(json_object=True)]
+
+
+def test_parallel_mask_filling_equals_the_sequential_reference_over_many_steps():
+    """Twin sequences, one set on the sequential path (one thread, row by row) and one on llguidance's pool (a lexer
+    per thread), each from a compiler of its own (no cache shared), follow the same random allowed tokens; every step
+    both fill the same whole array, which also equals each matcher's own next_mask, and the rows without a grammar
+    allow all."""
+    from jaxserve.checkpoint import BUILTIN_MODEL_DIR
+    from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
+    from jaxserve.runner.token_masks import ALL_ALLOWED
+    from jaxserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(BUILTIN_MODEL_DIR)
+    vocab = tokenizer.vocab_size
+    compilers = {"sequential": GrammarCompiler(tokenizer, vocab, 30.0, mask_threads=1),
+                 "parallel": GrammarCompiler(tokenizer, vocab, 30.0, mask_threads=3)}
+    # Every step on the pool, however small (this vocabulary alone would keep every step on the calling thread).
+    assert compilers["parallel"].masks.parallel_from_tokens > 30 * vocab
+    compilers["parallel"].masks = MaskFiller(vocab, threads=3, parallel_from_tokens=0)
+    constraints = {2 * index + 1: constraint for index, constraint in  # row -> its constraint, twice each
+                   enumerate(DIFFERENTIAL_CONSTRAINTS * 2)}
+    num_rows = 2 * len(constraints) + 2
+    twins = {path: {row: compiler.matcher(c) for row, c in constraints.items()} for path, compiler in compilers.items()}
+    # Each constraint's two sequences copy different start matchers on the parallel path (lexers not shared), the
+    # same one on the sequential path.
+    first_pair = (1, 2 * len(DIFFERENTIAL_CONSTRAINTS) + 1)  # the rows of the first constraint
+    assert [len({twins[path][row].lexer for row in first_pair}) for path in compilers] == [1, 2]
+    assert {compilers[path].check(c).num_lexers for path in compilers for c in DIFFERENTIAL_CONSTRAINTS} == {1, 3}
+    rng = np.random.default_rng(0)
+    restarts = 0
+    for _ in range(60):
+        filled = {path: compilers[path].masks.filled(twins[path], num_rows) for path in compilers}
+        np.testing.assert_array_equal(filled["parallel"].allowed, filled["sequential"].allowed)
+        allowed = filled["sequential"].allowed
+        assert allowed.shape == (num_rows, compilers["sequential"].masks.width)
+        assert sorted(filled["parallel"]) == sorted(constraints)
+        free_rows = [row for row in range(num_rows) if row not in constraints]
+        assert (allowed[free_rows] == ALL_ALLOWED).all()
+        for row in constraints:
+            np.testing.assert_array_equal(allowed[row], twins["sequential"][row].next_mask())
+            token = int(rng.choice(_allowed_ids(allowed[row], vocab)))
+            for path in compilers:
+                twins[path][row].accept(token)
+            if twins["sequential"][row].done:
+                assert twins["parallel"][row].done
+                restarts += 1
+                for path, compiler in compilers.items():
+                    twins[path][row] = compiler.matcher(constraints[row])
+    assert restarts >= len(constraints)  # the grammars ran through to their ends, many states each
+
+
+def test_only_steps_with_enough_to_fill_go_to_the_pool(tiny_llm, monkeypatch):
+    """Handing a step to the pool costs its threads' wake-up: a few rows of a small vocabulary stay on the calling
+    thread, and a step covering parallel_from_tokens goes to the pool."""
+    from jaxserve.engine.structured_output import MaskFiller
+
+    pooled, fill_par = [], llguidance.numpy.fill_next_token_bitmask_par  # rows of each step given to the pool
+
+    def recorded_fill_par(executor, matchers, masks):
+        pooled.append(len(matchers))
+        fill_par(executor, matchers, masks)
+
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", recorded_fill_par)
+    vocab = tiny_llm.model.config.vocab_size
+    grammars = {row: tiny_llm.engine.grammars.matcher(StructuredOutputsParams(regex="ab+")) for row in (0, 2, 3)}
+    small = MaskFiller(vocab, threads=2).filled(grammars, 4)
+    assert pooled == []
+    pool = MaskFiller(vocab, threads=2, parallel_from_tokens=3 * vocab).filled(grammars, 4)
+    assert pooled == [3]
+    np.testing.assert_array_equal(small.allowed, pool.allowed)
+
+
+def test_masks_filled_in_place_go_to_the_devices_as_they_are():
+    from jaxserve.runner.token_masks import ALL_ALLOWED, FilledMasks, StepMasks, all_allowed
+
+    step_masks = StepMasks(vocab_size=70, to_devices=jax.device_put)  # 3 words a row
+    filled = all_allowed(4, 3)
+    filled[2] = [1, 2, 3]
+    in_place = FilledMasks(filled, frozenset({2}))
+    assert step_masks.host(4, in_place) is filled  # no copy
+    assert dict(in_place.items()).keys() == {2} and list(in_place[2]) == [1, 2, 3]
+    copied = step_masks.host(4, {2: np.array([1, 2, 3], np.int32)})  # a plain mapping is laid into all-ones rows
+    np.testing.assert_array_equal(copied, filled)
+    assert step_masks.host(4, {}) is None
+    np.testing.assert_array_equal(np.asarray(step_masks.device(4, None)), np.full((4, 3), ALL_ALLOWED))
+
+
+def test_the_engine_hands_its_step_the_masks_filled_in_place(tiny_llm, monkeypatch):
+    """The engine's masks reach the runner as the step's own i32[S, W] array (S: the bucket's rows), so the runner
+    sends it as it is; rows without a grammar allow every token."""
+    from jaxserve.runner.token_masks import ALL_ALLOWED, FilledMasks
+
+    runner = tiny_llm.engine.runner
+    finish, handed = runner.finish, []
+
+    def recorded_finish(started, masks):
+        handed.append((started.bucket.num_seqs, masks, runner._masks.host(started.bucket.num_seqs, masks)))
+        return finish(started, masks)
+
+    monkeypatch.setattr(runner, "finish", recorded_finish)
+    params = [_constrained(StructuredOutputsParams(regex=r"[a-c]{3}-\d{2}"), 1.0),
+              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    tiny_llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+    constrained = [(rows, masks, host) for rows, masks, host in handed if masks]
+    assert constrained and all(isinstance(masks, FilledMasks) and host is masks.allowed
+                               and host.shape == (rows, runner._masks.width) for rows, masks, host in constrained)
+    for _, masks, host in constrained:
+        assert (np.delete(host, sorted(masks), axis=0) == ALL_ALLOWED).all()
+
+
 @pytest.mark.parametrize("constraint, fault", [
     (StructuredOutputsParams(regex="a(b"), "unclosed group"),
     (StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}), "Unsatisfiable"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Mapping, Sequence as SequenceOf
 
 import jax
 import numpy as np
@@ -313,7 +313,7 @@ class LLMEngine:
             read_back = self._read_back(self._in_flight)  # the masks follow its tokens
         if started is not None:
             with self.phase_times.timing("masks"):
-                masks = self._grammar_masks(schedule)
+                masks = self._grammar_masks(schedule, started.bucket.num_seqs)
             with self.phase_times.timing("dispatch"):
                 dispatched = _InFlight(schedule, self.runner.finish(started, masks))
         else:
@@ -342,18 +342,20 @@ class LLMEngine:
         return bool(self._constrained) and any(s.samples and s.request_id in self._constrained
                                                for s in schedule.sequences)
 
-    def _grammar_masks(self, schedule: SchedulerOutput) -> dict[int, np.ndarray]:  # row -> i32[W]
+    def _grammar_masks(self, schedule: SchedulerOutput,
+                       num_rows: int) -> Mapping[int, np.ndarray]:  # row -> i32[W]; none without a grammar
         """The masks of the step's constrained draws, each following every token read back so far (a grammar
-        already done, its request finishing, draws unconstrained: that sample is never used)."""
+        already done, its request finishing, draws unconstrained: that sample is never used), filled together in
+        place in the step's i32[num_rows, W] array (FilledMasks)."""
         if not self._constrained:
             return {}
-        masks = {}
+        grammars = {}  # row -> its sequence's matcher
         for row, scheduled in enumerate(schedule.sequences):
             if scheduled.samples and scheduled.request_id in self._constrained:
                 grammar = self.scheduler.get_request(scheduled.request_id).grammar
                 if not grammar.done:
-                    masks[row] = grammar.next_mask()
-        return masks
+                    grammars[row] = grammar
+        return self.grammars.masks.filled(grammars, num_rows) if grammars else {}
 
     def _complete(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Reads a step's samples back, hands them to the scheduler and to each sequence's output assembly."""

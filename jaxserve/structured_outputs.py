@@ -7,7 +7,7 @@ a grammar (Lark, or GBNF/EBNF as llama.cpp writes it). A JSON Schema is checked 
 (jsonschema, the reference validator); whether a constraint can be compiled is checked by the engine's grammar
 compiler (engine/structured_output.py), which needs the tokenizer.
 
-vLLM's options beside the constraint are decided as the server decides them (entrypoints/protocol.py,
+vLLM's options beside the constraint are decided as the server decides them (openai/requests.py,
 StructuredOutputsBody): those that change nothing here are accepted, the others refused unless they hold the value
 that asks for nothing. `GuidedDecodingParams` is vLLM <= 0.10's name for the same thing, with its `backend`.
 """
@@ -134,7 +134,7 @@ class GuidedDecodingParams(StructuredOutputsParams):
 
 
 def _refuse_unless(params: StructuredOutputsParams, name: str, neutral: tuple[Any, ...], reason: str) -> None:
-    """An option the server refuses (`_refused` in entrypoints/protocol.py), refused the same way: any value but
+    """An option the server refuses (`refused` in openai/schema.py), refused the same way: any value but
     None and `neutral` (values that ask for nothing, of their own type: 0 is not False) is an error naming it."""
     value = getattr(params, name)
     if value is not None and not any(value == ok and type(value) is type(ok) for ok in neutral):

@@ -21,7 +21,7 @@ BAD_FORMS = [
     pytest.param("a\ud800", "a\ud800", "prompt is not valid Unicode text", id="lone-surrogate"),
 ]
 
-# A body's wrong JSON types are caught by its declared schema (entrypoints/protocol.py), which run-batch shares with
+# A body's wrong JSON types are caught by its declared schema (openai/requests.py), which run-batch shares with
 # the server; LLM.generate, given Python objects, names the same fault in its own words. Both name the field.
 # (what LLM.generate is given, its message, the body's "prompt", the schema's message)
 BAD_TYPES = [

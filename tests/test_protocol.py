@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from jaxserve.entrypoints.openai_body import CONSTRAINT_KEYWORDS, sampling_params_from_body
-from jaxserve.entrypoints.protocol import (CONSTRAINT_FIELDS, ChatCompletionRequestBody, CompletionRequestBody,
-                                           parse_body, refusal_of)
+from jaxserve.openai.bodies import CONSTRAINT_KEYWORDS, sampling_params_from_body
+from jaxserve.openai.requests import ChatCompletionRequestBody, CompletionRequestBody
+from jaxserve.openai.schema import CONSTRAINT_FIELDS, parse_body, refusal_of
 from jaxserve.errors import InvalidRequestError
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}

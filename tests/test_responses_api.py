@@ -17,9 +17,10 @@ import openai
 import pydantic
 import pytest
 
-from jaxserve.entrypoints.protocol_responses import ErrorResponse, ResponsesResponse, ResponseStreamEvent
-from jaxserve.entrypoints.responses_output import ResponseAssembly, ResponseSettings
-from jaxserve.entrypoints.tool_calls import ToolCallParser, tool_calling_from_body
+from jaxserve.openai.answers import ErrorResponse
+from jaxserve.openai.responses_api_answers import ResponsesResponse, ResponseStreamEvent
+from jaxserve.openai.responses_output import ResponseAssembly, ResponseSettings
+from jaxserve.openai.tool_calls import ToolCallParser, tool_calling_from_body
 from jaxserve.outputs import CompletionDelta
 from jaxserve.server.sse import DONE, sse_event
 from tests.live_server import running_server

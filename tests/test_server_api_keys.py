@@ -24,9 +24,10 @@ from jaxserve import SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.errors import ConfigError, InvalidRequestError
 from jaxserve.server import api_keys as api_keys_module
-from jaxserve.server.api_keys import ApiKeys, reload_api_keys
+from jaxserve.server.api_keys import ApiKeys
 from jaxserve.server.api_keys_file import ApiKeySpec, load_api_keys_file
-from jaxserve.server.app import ServerContext, create_app
+from jaxserve.server.app import create_app
+from jaxserve.server.context import ServerContext
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.quotas import KeyQuota, QuotaExceeded, QuotaTooSmall, TokenBucket, TokenTally
 from tests.live_server import running_server
@@ -464,7 +465,7 @@ def test_reload_swaps_keys_keeps_in_flight_accounting_and_refuses_a_bad_file(tin
     async def scenario(served):
         held = await HeldStream(served.app, SINGLE["key"], completion(40, stream=True)).open()
         write_keys(path, SINGLE, new)
-        assert await reload_api_keys(served.context)
+        assert await served.context.reload_api_keys()
         assert (await served.post(OPEN["key"], completion(2))).status_code == 401
         assert (await served.post(new["key"], completion(2))).status_code == 200
         # The held stream still holds single's one slot across the reload.
@@ -473,7 +474,7 @@ def test_reload_swaps_keys_keeps_in_flight_accounting_and_refuses_a_bad_file(tin
         assert (await served.post(SINGLE["key"], completion(2))).status_code == 200
         write_keys(path, OPEN, {**new, "name": "open"})
         with caplog.at_level(logging.ERROR, logger="jaxserve.server.api_keys"):
-            assert not await reload_api_keys(served.context)
+            assert not await served.context.reload_api_keys()
         assert (await served.post(new["key"], completion(2))).status_code == 200
         assert (await served.post(OPEN["key"], completion(2))).status_code == 401
 

@@ -291,7 +291,12 @@ def test_requests_in_flight_complete_unchanged_through_the_whole_table(server, h
         for _, method, path, body, status, _ in BAD_REQUESTS:
             assert _send_once_more_if_cut(http, method, path, body).status_code == status
         for _, headers, body, status in BAD_ENCODINGS:
-            assert http.post(COMPLETIONS, content=body, headers=headers).status_code == status
+            # A connection the server closed after the table's 413 may still sit in the client's pool: once more.
+            try:
+                response = http.post(COMPLETIONS, content=body, headers=headers)
+            except httpx.RemoteProtocolError:
+                response = http.post(COMPLETIONS, content=body, headers=headers)
+            assert response.status_code == status
         test_chunked_body_over_the_limit_is_413(http)
     assert len(meanwhile) > 1 and all(answer["choices"] == solo["choices"] for answer in meanwhile)
     assert http.get("/health").status_code == 200

@@ -17,11 +17,10 @@ import pydantic
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.entrypoints.openai_body import completion_logprobs
-from jaxserve.entrypoints.protocol import ToolDefinition
-from jaxserve.entrypoints.protocol_responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
-                                                     CompletionResponse, DetokenizeResponse, ErrorResponse, ModelCard,
-                                                     ModelList, TokenizeResponse)
+from jaxserve.openai.bodies import completion_logprobs
+from jaxserve.openai.requests import ToolDefinition
+from jaxserve.openai.answers import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse,
+                                     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse)
 from jaxserve.outputs import Logprob
 from jaxserve.config import load_config
 from tests.live_server import TINY_CONFIG, running_server

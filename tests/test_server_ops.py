@@ -158,7 +158,8 @@ def test_profiler_routes_are_404_without_a_profile_dir(small_server):
 
 def test_openapi_lists_every_route_of_the_app(tiny_llm):
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import ServerContext, create_app
+    from jaxserve.server.app import create_app
+    from jaxserve.server.context import ServerContext
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.openapi import openapi_path
 
@@ -189,7 +190,8 @@ def test_openapi_lists_every_route_of_the_app(tiny_llm):
 
 def test_several_served_names_are_listed_and_accepted(tiny_llm):
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import ServerContext, create_app
+    from jaxserve.server.app import create_app
+    from jaxserve.server.context import ServerContext
     from jaxserve.server.config import ServerConfig
 
     context = ServerContext(engine=AsyncEngine(tiny_llm.engine), tokenizer=tiny_llm.tokenizer,

@@ -19,7 +19,7 @@ import pytest
 
 from jaxserve import SamplingParams, StructuredOutputsParams
 from jaxserve.errors import ConstraintFailedError, InvalidRequestError
-from jaxserve.entrypoints.prompts import TokenizedPrompt
+from jaxserve.openai.prompts import TokenizedPrompt
 from jaxserve.runner.sampler import _apply_token_mask
 
 PROMPT = "Hello"
@@ -295,7 +295,8 @@ def test_the_server_waits_for_grammars_on_its_event_loop_not_on_its_threads(tiny
     /tokenize answers while all of them still compile; each then fails by itself, naming its field, and one past
     the time limit is refused as too slow."""
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import WORKER_THREADS, ServerContext, create_app
+    from jaxserve.server.app import create_app
+    from jaxserve.server.context import WORKER_THREADS, ServerContext
     from jaxserve.server.config import ServerConfig
 
     grammars = tiny_llm.engine.grammars

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from jsonschema.validators import validator_for
 
 from jaxserve import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
-from jaxserve.entrypoints.constraint_checks import tool_schema_checks
-from jaxserve.entrypoints.protocol import CompletionRequestBody, StructuredOutputsBody, parse_body
-from jaxserve.entrypoints.tool_calls import tool_calling_from_body
+from jaxserve.openai.constraint_checks import tool_schema_checks
+from jaxserve.openai.requests import CompletionRequestBody, StructuredOutputsBody
+from jaxserve.openai.schema import parse_body
+from jaxserve.openai.tool_calls import tool_calling_from_body
 from jaxserve.errors import InvalidRequestError
 
 DRAFT_04 = "http://json-schema.org/draft-04/schema#"

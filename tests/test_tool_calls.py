@@ -13,9 +13,10 @@ import pydantic
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, parse_body
-from jaxserve.entrypoints.tool_calls import (ToolCalling, ToolCallParser, delta_tool_calls, parse_answer,
-                                             template_messages, tool_calling_from_body)
+from jaxserve.openai.requests import ChatCompletionRequestBody
+from jaxserve.openai.schema import parse_body
+from jaxserve.openai.tool_calls import (ToolCalling, ToolCallParser, delta_tool_calls, parse_answer, template_messages,
+                                        tool_calling_from_body)
 from jaxserve.errors import InvalidRequestError
 
 # Small, so that a whole call fits the tiny model's 64-token context.

@@ -19,9 +19,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 
+from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.scheduler_stats import SchedulerStats
-from jaxserve.engine.structured_output import CompiledGrammar
+from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.errors import EngineDeadError, EngineStepError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, RequestOutput
@@ -91,6 +92,27 @@ class AsyncEngine:
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join)
         self._fail_streams(EngineDeadError("the engine is shutting down"))
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings (read only: they never change while it serves)."""
+        return self.engine.config
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles output constraints on its own threads; safe to call from the event loop or any thread."""
+        return self.engine.grammars
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """`LLMEngine.check_request`, from any thread: it reads only settings that never change while serving."""
+        return self.engine.check_request(prompt_token_ids, params)
+
+    def add_lora_before_start(self, lora_request: LoRARequest) -> None:
+        """Serves an adapter from the start (--lora-modules): before `start`, on the calling thread, since the engine
+        thread is not running yet; a bad folder raises here."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread runs: use add_lora")
+        self.engine.add_lora(lora_request)
 
     @property
     def num_live_requests(self) -> int:

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.engine.prompt_checks import check_room_to_generate
-from jaxserve.entrypoints.constraint_checks import check_constraints, output_constraint_checks, tool_schema_checks
+from jaxserve.openai.constraint_checks import check_constraints, output_constraint_checks, tool_schema_checks
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.entrypoints.openai_body import (body_spellings, chat_completion_body, chat_template_variables,
-                                              completion_body, default_max_tokens, error_body,
-                                              sampling_params_from_body)
-from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt, completion_prompt, is_prompt_list
-from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, CompletionRequestBody, parse_body
-from jaxserve.entrypoints.request_limits import check_request_limits
-from jaxserve.entrypoints.tool_calls import ToolCalling, tool_calling_from_body
+from jaxserve.openai.bodies import (body_spellings, chat_completion_body, chat_template_variables, completion_body,
+                                    default_max_tokens, error_body, sampling_params_from_body)
+from jaxserve.openai.prompts import TokenizedPrompt, chat_prompt, completion_prompt, is_prompt_list
+from jaxserve.openai.requests import ChatCompletionRequestBody, CompletionRequestBody
+from jaxserve.openai.schema import parse_body
+from jaxserve.openai.request_limits import check_request_limits
+from jaxserve.openai.tool_calls import ToolCalling, tool_calling_from_body
 from jaxserve.errors import InvalidRequestError, JaxserveError, ModelNotFoundError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams

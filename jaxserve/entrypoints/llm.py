@@ -16,8 +16,8 @@ from jaxserve.checkpoint import ModelPlan, plan_model
 from jaxserve.config import EngineConfig, config_from
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.prompt_checks import check_prompt_tokens
-from jaxserve.entrypoints.prompts import (TokenizedPrompt, chat_prompt, normalize_prompts,
-                                          lora_per_prompt, params_per_prompt, tokenize_prompt, with_priorities)
+from jaxserve.openai.prompts import (TokenizedPrompt, chat_prompt, normalize_prompts, lora_per_prompt,
+                                     params_per_prompt, tokenize_prompt, with_priorities)
 from jaxserve.errors import InvalidRequestError, JaxserveError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput

@@ -12,7 +12,7 @@ from jaxserve.engine.logprobs import candidate_logprobs
 from jaxserve.engine.prompt_checks import check_prompt_tokens
 from jaxserve.engine.sequence import Sequence as GeneratingSequence
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.entrypoints.prompts import TokenizedPrompt
+from jaxserve.openai.prompts import TokenizedPrompt
 from jaxserve.errors import InvalidRequestError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput

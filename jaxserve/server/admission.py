@@ -22,7 +22,7 @@ from jaxserve.server.api_keys import authenticated_key
 from jaxserve.server.quotas import QuotaExceeded, QuotaTicket, QuotaTooSmall, TokenTally
 
 if TYPE_CHECKING:
-    from jaxserve.server.app import ServerContext
+    from jaxserve.server.metrics import ServerMetrics
 
 _SCOPE_KEY = "jaxserve.admitted"  # in the ASGI scope: what this exchange holds (_Held), released when it ends
 OVERLOADED_RETRY_AFTER_S = 1  # the queue moves at the engine's pace: a second frees room for most requests
@@ -32,8 +32,10 @@ DRAINING_RETRY_AFTER_S = 5  # this server is going away; a restarted one (or ano
 class Admission:
     """The sequences (prompts × n) of admitted requests whose exchange is not over, against a fixed capacity."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, metrics: ServerMetrics):
         self.capacity = capacity  # max_num_seqs + max_waiting_requests
+        self.metrics = metrics  # where refusals, admissions and each key's tokens are counted
+        self.draining = False  # set by SIGTERM: new requests get 503 while in-flight ones finish
         self.live = 0  # sequences admitted and not yet released
         self._idle = asyncio.Event()  # set while nothing is admitted
         self._idle.set()
@@ -62,33 +64,32 @@ class _Held:
     ticket: QuotaTicket | None  # its share of its key's quota; None on a server without API keys
 
 
-def admit(context: ServerContext, num_sequences: int, prompt_tokens: int, max_tokens: int) -> TokenTally:
+def admit(admission: Admission, num_sequences: int, prompt_tokens: int, max_tokens: int) -> TokenTally:
     """Call before submitting a request's `num_sequences` (prompts × n) sequences of `prompt_tokens` prompt tokens
     in all, each generating up to `max_tokens`; raises the 503, 429 (or 400) to answer. Returns the tally the
     request's tokens are counted into as they are generated (its key's quota is settled with it).
 
     While draining, every request is refused; a request larger than the whole capacity could never run and is a 400.
     """
-    admission = context.admission
-    if context.draining:
-        _reject(context, "draining", "the server is shutting down", DRAINING_RETRY_AFTER_S)
+    if admission.draining:
+        _reject(admission, "draining", "the server is shutting down", DRAINING_RETRY_AFTER_S)
     if num_sequences > admission.capacity:
         raise ApiError(400, f"the request needs {num_sequences} sequences (prompts × n); this server admits at most "
                             f"{admission.capacity} at once", param="n")
     tally = TokenTally(prompt=prompt_tokens)
-    ticket = _take_quota(context, prompt_tokens + max_tokens * num_sequences, tally)
+    ticket = _take_quota(admission, prompt_tokens + max_tokens * num_sequences, tally)
     if not admission.try_admit(num_sequences):
         if ticket is not None:
             ticket.cancel()
-        _reject(context, "overloaded", f"the server is at capacity ({admission.capacity} sequences running or "
+        _reject(admission, "overloaded", f"the server is at capacity ({admission.capacity} sequences running or "
                                        "queued); retry later", OVERLOADED_RETRY_AFTER_S)
     if ticket is not None:
-        context.metrics.count_key_admitted(ticket.quota.name)
+        admission.metrics.count_key_admitted(ticket.quota.name)
     request.scope[_SCOPE_KEY] = _Held(num_sequences, ticket)
     return tally
 
 
-def _take_quota(context: ServerContext, reserved_tokens: int, tally: TokenTally) -> QuotaTicket | None:
+def _take_quota(admission: Admission, reserved_tokens: int, tally: TokenTally) -> QuotaTicket | None:
     """The request's share of its key's quota; None on a server without keys. Over quota: 429 with Retry-After."""
     key = authenticated_key(request.scope)
     if key is None:
@@ -98,19 +99,19 @@ def _take_quota(context: ServerContext, reserved_tokens: int, tally: TokenTally)
     except QuotaTooSmall as e:
         raise ApiError(400, str(e), param="max_tokens") from None
     except QuotaExceeded as e:
-        context.metrics.count_key_rate_limited(key.name, e.limit)
+        admission.metrics.count_key_rate_limited(key.name, e.limit)
         # OpenAI's own 429 body: type names what ran out, code is rate_limit_exceeded (openai.RateLimitError).
         kind = "tokens" if e.limit == "tokens_per_minute" else "requests"
         raise ApiError(429, str(e), kind=kind, code="rate_limit_exceeded",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
 
 
-def _reject(context: ServerContext, reason: str, message: str, retry_after_s: int) -> None:
-    context.metrics.count_rejected(reason)
+def _reject(admission: Admission, reason: str, message: str, retry_after_s: int) -> None:
+    admission.metrics.count_rejected(reason)
     raise ApiError(503, message, kind="service_unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
-def releasing_admissions(asgi_app, context: ServerContext):
+def releasing_admissions(asgi_app, admission: Admission):
     """Wraps the app's ASGI callable: whatever an exchange was admitted for (server capacity, its key's quota) is
     released when the exchange ends, however it ends (response sent, client gone or dropped, a failure, the server
     cancelling it)."""
@@ -121,14 +122,14 @@ def releasing_admissions(asgi_app, context: ServerContext):
         finally:
             held = scope.pop(_SCOPE_KEY, None)
             if held is not None:
-                _release(context, held)
+                _release(admission, held)
 
     return app
 
 
-def _release(context: ServerContext, held: _Held) -> None:
-    context.admission.release(held.num_sequences)
+def _release(admission: Admission, held: _Held) -> None:
+    admission.release(held.num_sequences)
     ticket = held.ticket
     if ticket is not None:
         ticket.settle()
-        context.metrics.count_key_tokens(ticket.quota.name, ticket.tally.prompt, ticket.tally.generated)
+        admission.metrics.count_key_tokens(ticket.quota.name, ticket.tally.prompt, ticket.tally.generated)

@@ -10,7 +10,7 @@ from typing import Any
 from quart import Quart, Response, jsonify, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
 
-from jaxserve.entrypoints.openai_body import error_body
+from jaxserve.openai.bodies import error_body
 from jaxserve.errors import EngineDeadError, EngineStepError, InvalidRequestError, JaxserveError, ModelNotFoundError
 from jaxserve.server.sse import DONE, sse_event, sse_response
 

@@ -1,4 +1,4 @@
-"""The API keys the server accepts and each one's quota; reloaded from --api-keys-file on SIGHUP.
+"""The API keys the server accepts and each one's quota; reloaded from --api-keys-file on SIGHUP (ServerContext).
 
 `--api-key KEY` is one key named "default" with no limits; `--api-keys-file` lists named keys with limits (the two
 flags exclude each other). A request's key is found in constant time: the SHA-256 of the token it sent is compared
@@ -12,15 +12,11 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Callable, Iterable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from jaxserve.errors import ConfigError
 from jaxserve.server.api_keys_file import ApiKeySpec, load_api_keys_file
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.quotas import KeyQuota
-
-if TYPE_CHECKING:
-    from jaxserve.server.app import ServerContext
 
 log = logging.getLogger(__name__)
 
@@ -91,26 +87,6 @@ def remember_key(scope: MutableMapping[str, Any], quota: KeyQuota) -> None:
 def authenticated_key(scope: MutableMapping[str, Any]) -> KeyQuota | None:
     """The quota of the key this exchange authenticated with; None on a server without keys."""
     return scope.get(_SCOPE_KEY)
-
-
-async def reload_api_keys(context: ServerContext) -> bool:
-    """Reads --api-keys-file again (SIGHUP) and swaps the keys in; a bad file is logged and the old keys stay.
-
-    The file is read and checked on a worker thread; the swap happens on the event loop, between two requests'
-    checks, so no request sees half of each file.
-    """
-    path = context.config.api_keys_file
-    if path is None or context.api_keys is None:
-        return False
-    try:
-        specs = await context.off_loop(load_api_keys_file, path)
-    except ConfigError as e:
-        log.error("SIGHUP: kept the previous API keys, the new file is refused: %s", e)
-        return False
-    context.api_keys.replace(specs)
-    context.metrics.declare_api_keys(context.api_keys.names)
-    log.info("SIGHUP: reloaded %d API keys from %s", len(specs), path)
-    return True
 
 
 def _digest(text: str) -> bytes:

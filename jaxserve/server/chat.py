@@ -12,22 +12,23 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from jaxserve.engine.prompt_checks import check_room_to_generate
-from jaxserve.entrypoints.constraint_checks import (ConstraintCheck, await_constraints, output_constraint_checks,
-                                                    tool_schema_checks)
-from jaxserve.entrypoints.openai_body import (body_spellings, chat_completion_body, chat_completion_chunk,
-                                              chat_logprobs, chat_template_variables, default_max_tokens,
-                                              sampling_params_from_body, tool_finish_reason, usage, usage_chunk)
-from jaxserve.entrypoints.prompts import TokenizedPrompt
-from jaxserve.entrypoints.protocol import ChatCompletionRequestBody, parse_body
-from jaxserve.entrypoints.request_limits import check_request_limits
-from jaxserve.entrypoints.tool_calls import (ContentText, ToolCalling, ToolCallParser, delta_tool_calls,
-                                             tool_calling_from_body)
-from jaxserve.entrypoints.protocol_responses import ChatCompletionChunk, ChatCompletionResponse
+from jaxserve.openai.constraint_checks import (ConstraintCheck, await_constraints, output_constraint_checks,
+                                               tool_schema_checks)
+from jaxserve.openai.bodies import (body_spellings, chat_completion_body, chat_completion_chunk, chat_logprobs,
+                                    chat_template_variables, default_max_tokens, sampling_params_from_body,
+                                    tool_finish_reason, usage, usage_chunk)
+from jaxserve.openai.prompts import TokenizedPrompt
+from jaxserve.openai.requests import ChatCompletionRequestBody
+from jaxserve.openai.schema import parse_body
+from jaxserve.openai.request_limits import check_request_limits
+from jaxserve.openai.tool_calls import (ContentText, ToolCalling, ToolCallParser, delta_tool_calls,
+                                        tool_calling_from_body)
+from jaxserve.openai.answers import ChatCompletionChunk, ChatCompletionResponse
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import streamed_response
-from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
+from jaxserve.server.context import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.quotas import TokenTally
 from jaxserve.server.request_fields import conversation_prompt, flag
@@ -68,8 +69,8 @@ class ChatRequest:
 async def create_chat_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_chat_request, await request_bytes(), context)
-    await await_constraints(request.constraints, context.engine.engine.grammars)
-    tally = admit(context, request.params.n, len(request.prompt.token_ids), request.params.max_tokens)
+    await await_constraints(request.constraints, context.engine.grammars)
+    tally = admit(context.admission, request.params.n, len(request.prompt.token_ids), request.params.max_tokens)
     model = request.model.name
     if request.stream:
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -98,7 +99,7 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
                                  **chat_template_variables(fields, tool_calling))
     params = sampling_params_from_body(fields, chat=True, default_max_tokens=default_max_tokens(
         True, len(prompt.token_ids), context.max_model_len), tool_calling=tool_calling)
-    check_request_limits(context.engine.engine, [prompt], params, body_spellings(fields, chat=True))
+    check_request_limits(context.engine, [prompt], params, body_spellings(fields, chat=True))
     asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if getattr(body, asked) is not None:
         check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, asked)

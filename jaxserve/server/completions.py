@@ -13,19 +13,20 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from jaxserve.engine.prompt_checks import check_prompt_tokens, check_room_to_generate
-from jaxserve.entrypoints.constraint_checks import ConstraintCheck, await_constraints, output_constraint_checks
-from jaxserve.entrypoints.openai_body import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk,
-                                              completion_logprobs, joined_logprobs, prompt_logprobs_body,
-                                              sampling_params_from_body, usage, usage_chunk)
-from jaxserve.entrypoints.prompts import TokenizedPrompt, completion_prompts, is_prompt_list
-from jaxserve.entrypoints.protocol import CompletionRequestBody, parse_body
-from jaxserve.entrypoints.request_limits import check_request_limits
-from jaxserve.entrypoints.protocol_responses import CompletionChunk, CompletionResponse
+from jaxserve.openai.constraint_checks import ConstraintCheck, await_constraints, output_constraint_checks
+from jaxserve.openai.bodies import (OPENAI_DEFAULT_MAX_TOKENS, completion_body, completion_chunk, completion_logprobs,
+                                    joined_logprobs, prompt_logprobs_body, sampling_params_from_body, usage,
+                                    usage_chunk)
+from jaxserve.openai.prompts import TokenizedPrompt, completion_prompts, is_prompt_list
+from jaxserve.openai.requests import CompletionRequestBody
+from jaxserve.openai.schema import parse_body
+from jaxserve.openai.request_limits import check_request_limits
+from jaxserve.openai.answers import CompletionChunk, CompletionResponse
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import streamed_response
-from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
+from jaxserve.server.context import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.quotas import TokenTally
 from jaxserve.server.request_fields import flag
@@ -54,8 +55,8 @@ class CompletionRequest:
 async def create_completion() -> Response:
     context = server_context()
     request = await context.off_loop(parse_completion_request, await request_bytes(), context)
-    await await_constraints(request.constraints, context.engine.engine.grammars)
-    tally = admit(context, len(request.prompts) * request.params.n,
+    await await_constraints(request.constraints, context.engine.grammars)
+    tally = admit(context.admission, len(request.prompts) * request.params.n,
                   sum(len(prompt.token_ids) for prompt in request.prompts), request.params.max_tokens)
     model = request.model.name
     if request.stream:
@@ -77,7 +78,7 @@ def parse_completion_request(raw: bytes, context: ServerContext) -> CompletionRe
     echo = flag(fields, "echo")
     if echo and params.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
-    check_request_limits(context.engine.engine, prompts, params, spelled={})
+    check_request_limits(context.engine, prompts, params, spelled={})
     for prompt in prompts:
         check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, "max_tokens")
     return CompletionRequest(prompts, params, echo, flag(fields, "stream"), stream_usage(fields), model,

@@ -11,10 +11,11 @@ import asyncio
 
 from quart import Blueprint, Response
 
-from jaxserve.entrypoints.protocol import LoadLoraAdapterBody, UnloadLoraAdapterBody, parse_body
+from jaxserve.openai.requests import LoadLoraAdapterBody, UnloadLoraAdapterBody
+from jaxserve.openai.schema import parse_body
 from jaxserve.errors import LoraAdapterError, LoraNameTakenError
 from jaxserve.server.api_errors import ApiError
-from jaxserve.server.app import ServerContext, request_bytes, server_context
+from jaxserve.server.context import ServerContext, request_bytes, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 
 blueprint = Blueprint("lora", __name__)
@@ -61,5 +62,5 @@ def _succeeded(done: asyncio.Future) -> bool:
 
 
 def _check_enabled(context: ServerContext) -> None:
-    if not context.engine.engine.config.enable_lora:
+    if not context.engine.config.enable_lora:
         raise ApiError(400, "LoRA adapters are off: start the server with --enable-lora", param="lora_name")

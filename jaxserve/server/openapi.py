@@ -1,5 +1,5 @@
 """/openapi.json, generated from the app's URL map and the schemas each route declares (`declares`): the request
-and response models of entrypoints/protocol*.py, so the document is what the server checks and answers."""
+and response models of openai/ (requests.py, answers.py and their responses_api_* twins), so the document is what the server checks and answers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pydantic.json_schema import models_json_schema
 from quart import Quart
 from werkzeug.routing import Rule
 
-from jaxserve.entrypoints.protocol_responses import ErrorResponse
+from jaxserve.openai.answers import ErrorResponse
 
 _NOT_DOCUMENTED = {"HEAD", "OPTIONS"}  # methods every route answers implicitly
 _PLACEHOLDER = re.compile(r"<(?:[^<>]*:)?([^<>:]+)>")  # a Werkzeug path variable, converter and all

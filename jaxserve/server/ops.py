@@ -10,10 +10,10 @@ from typing import Any
 import jax
 from quart import Blueprint, Response, current_app, jsonify
 
-from jaxserve.entrypoints.protocol_responses import ModelCard, ModelList
+from jaxserve.openai.answers import ModelCard, ModelList
 from jaxserve.lora_request import LoRARequest
 from jaxserve.server.api_errors import ApiError
-from jaxserve.server.app import ServerContext, resolve_model, server_context
+from jaxserve.server.context import ServerContext, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares, openapi_document
 
 blueprint = Blueprint("ops", __name__)
@@ -27,7 +27,7 @@ async def health() -> Response:
     503, while the ones in flight finish.
     """
     context = server_context()
-    if context.draining:
+    if context.admission.draining:
         raise ApiError(503, "the server is shutting down", kind="service_unavailable")
     await context.engine.check_health(context.config.health_timeout_s)
     return jsonify({"status": "ok"})

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.prompt_checks import check_prompt_tokens
-from jaxserve.entrypoints.prompts import TokenizedPrompt, chat_prompt
+from jaxserve.openai.prompts import TokenizedPrompt, chat_prompt
 from jaxserve.server.api_errors import ApiError
-from jaxserve.server.app import ServerContext
+from jaxserve.server.context import ServerContext
 
 
 def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:

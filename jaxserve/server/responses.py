@@ -1,6 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API, stateless (nothing is stored; every request brings its whole
-conversation). A body becomes the chat completions request it asks for (entrypoints/responses_request.py), which
-runs as chat's does; the answer's steps become Responses items and events (entrypoints/responses_output.py)."""
+conversation). A body becomes the chat completions request it asks for (openai/responses_request.py), which
+runs as chat's does; the answer's steps become Responses items and events (openai/responses_output.py)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ from typing import Any
 
 from quart import Blueprint, Response, jsonify
 
-from jaxserve.entrypoints.constraint_checks import await_constraints
-from jaxserve.entrypoints.protocol import ResponsesRequestBody, parse_body
-from jaxserve.entrypoints.protocol_responses import ResponsesResponse, ResponseStreamEvent
-from jaxserve.entrypoints.responses_output import LogprobsAsked, ResponseAssembly, ResponseSettings, response_usage
-from jaxserve.entrypoints.responses_request import chat_body, respelled, response_settings, responses_param
-from jaxserve.entrypoints.tool_calls import ToolCallParser
+from jaxserve.openai.constraint_checks import await_constraints
+from jaxserve.openai.responses_api_requests import ResponsesRequestBody
+from jaxserve.openai.schema import parse_body
+from jaxserve.openai.responses_api_answers import ResponsesResponse, ResponseStreamEvent
+from jaxserve.openai.responses_output import LogprobsAsked, ResponseAssembly, ResponseSettings, response_usage
+from jaxserve.openai.responses_request import chat_body, respelled, response_settings, responses_param
+from jaxserve.openai.tool_calls import ToolCallParser
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.admission import admit
 from jaxserve.server.api_errors import ApiError, as_api_error, streamed_response
-from jaxserve.server.app import ServerContext, request_bytes, server_context
+from jaxserve.server.context import ServerContext, request_bytes, server_context
 from jaxserve.server.chat import ChatRequest, parse_chat_request
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.quotas import TokenTally
@@ -48,8 +49,8 @@ async def create_response() -> Response:
     request = await context.off_loop(parse_responses_request, await request_bytes(), context)
     chat = request.chat
     with spelled_as_responses():
-        await await_constraints(chat.constraints, context.engine.engine.grammars)
-        tally = admit(context, chat.params.n, len(chat.prompt.token_ids), chat.params.max_tokens)
+        await await_constraints(chat.constraints, context.engine.grammars)
+        tally = admit(context.admission, chat.params.n, len(chat.prompt.token_ids), chat.params.max_tokens)
         logprobs = None if chat.params.logprobs is None else LogprobsAsked(chat.params.logprobs, context.tokenizer)
         assembly = ResponseAssembly(request.settings, ToolCallParser(chat.tool_calling) if chat.reads_calls else None,
                                     logprobs)

@@ -23,8 +23,8 @@ import hypercorn.config
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.server.api_keys import reload_api_keys
-from jaxserve.server.app import ServerContext, create_app
+from jaxserve.server.app import create_app
+from jaxserve.server.context import ServerContext
 from jaxserve.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def add_lora_modules(context: ServerContext) -> None:
     """Reads the --lora-modules adapters before the engine thread starts: a bad folder fails start-up."""
     for name, path in context.config.lora_modules:
         lora = context.adapters.reserve(name, path)
-        context.engine.engine.add_lora(lora)
+        context.engine.add_lora_before_start(lora)
         context.adapters.settle(lora, accepted=True)
 
 
@@ -76,7 +76,7 @@ async def _serve(context: ServerContext) -> None:
 
 
 def _start_reload(context: ServerContext, reloads: set[asyncio.Task]) -> None:
-    task = asyncio.ensure_future(reload_api_keys(context))
+    task = asyncio.ensure_future(context.reload_api_keys())
     reloads.add(task)
     task.add_done_callback(reloads.discard)
 
@@ -93,7 +93,7 @@ async def _drain(context: ServerContext, asked: asyncio.Event, hurried: asyncio.
     connection.
     """
     await asked.wait()
-    context.draining = True
+    context.admission.draining = True
     log.info("shutting down: new requests get 503; waiting up to %g s for %d in-flight sequences",
              context.config.drain_timeout_s, context.admission.live)
     done = asyncio.ensure_future(_requests_done(context))

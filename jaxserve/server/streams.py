@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from jaxserve.engine.async_engine import EngineEvent
-from jaxserve.entrypoints.prompts import TokenizedPrompt
+from jaxserve.openai.prompts import TokenizedPrompt
 from jaxserve.errors import JaxserveError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionDelta, RequestOutput
@@ -23,7 +23,7 @@ from jaxserve.server.quotas import TokenTally
 from jaxserve.server.stream_buffer import StreamBuffer
 
 if TYPE_CHECKING:
-    from jaxserve.server.app import ServerContext
+    from jaxserve.server.context import ServerContext
 
 _END = object()  # a prompt's stream ended
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from quart import Blueprint, Response, jsonify
 
 from jaxserve.engine.prompt_checks import check_token_ids
-from jaxserve.entrypoints.prompts import encode_text
-from jaxserve.entrypoints.protocol import (DetokenizeBody, TokenizeChatBody, TokenizeCompletionBody, parse_body,
-                                           parse_json_object)
-from jaxserve.entrypoints.protocol_responses import DetokenizeResponse, TokenizeResponse
-from jaxserve.server.app import ServerContext, request_bytes, resolve_model, server_context
+from jaxserve.openai.prompts import encode_text
+from jaxserve.openai.requests import DetokenizeBody, TokenizeChatBody, TokenizeCompletionBody
+from jaxserve.openai.schema import parse_body, parse_json_object
+from jaxserve.openai.answers import DetokenizeResponse, TokenizeResponse
+from jaxserve.server.context import ServerContext, request_bytes, resolve_model, server_context
 from jaxserve.server.openapi import RouteSchema, declares
 from jaxserve.server.request_fields import flag, rendered_conversation
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.prompt_checks import EMPTY_PROMPT
-from jaxserve.entrypoints.tool_calls import template_messages
+from jaxserve.openai.tool_calls import template_messages
 from jaxserve.errors import InvalidRequestError, TokenizerError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams

@@ -1,7 +1,6 @@
-"""Prints the README's table of OpenAI request fields from the declared schemas (jaxserve/entrypoints/protocol.py):
-each field honoured or refused, and why. tests/test_openai_fields.py checks the README holds exactly this.
-
-    .venv/bin/python tools/openai_fields_table.py
+"""The README's table of OpenAI request fields, from the declared schemas (requests.py, responses_api_requests.py):
+each field honoured or refused, and why. tests/test_openai_fields.py checks the README holds exactly this; print it
+with `.venv/bin/python -m jaxserve.openai.field_table`.
 """
 
 from __future__ import annotations
@@ -10,9 +9,9 @@ import json
 
 from pydantic import BaseModel
 
-from jaxserve.entrypoints.protocol import (ChatCompletionRequestBody, ChatMessage, CompletionRequestBody,
-                                           ResponsesFunctionTool, ResponsesMessageItem, ResponsesRequestBody,
-                                           refusal_of)
+from jaxserve.openai.requests import ChatCompletionRequestBody, ChatMessage, CompletionRequestBody
+from jaxserve.openai.responses_api_requests import ResponsesFunctionTool, ResponsesMessageItem, ResponsesRequestBody
+from jaxserve.openai.schema import refusal_of
 
 
 def field_status(model: type[BaseModel]) -> dict[str, str]:

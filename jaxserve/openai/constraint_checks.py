@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.structured_output import GrammarCompiler
-from jaxserve.entrypoints.openai_body import structured_outputs_from_body
-from jaxserve.entrypoints.tool_calls import ToolCalling
+from jaxserve.openai.bodies import structured_outputs_from_body
+from jaxserve.openai.tool_calls import ToolCalling
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams

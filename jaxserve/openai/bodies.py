@@ -16,7 +16,7 @@ from typing import Any
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.entrypoints.tool_calls import ToolCalling, parse_answer, tool_calls_body
+from jaxserve.openai.tool_calls import ToolCalling, parse_answer, tool_calls_body
 from jaxserve.structured_outputs import StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
 

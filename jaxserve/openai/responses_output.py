@@ -16,8 +16,8 @@ import time
 import uuid
 from typing import Any
 
-from jaxserve.entrypoints.openai_body import chat_logprobs
-from jaxserve.entrypoints.tool_calls import CallArguments, CallStarted, ContentText, ParsedEvent, ToolCallParser
+from jaxserve.openai.bodies import chat_logprobs
+from jaxserve.openai.tool_calls import CallArguments, CallStarted, ContentText, ParsedEvent, ToolCallParser
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.tokenizer import Tokenizer
 

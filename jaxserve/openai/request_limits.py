@@ -4,15 +4,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
-from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.entrypoints.openai_body import named_as_sent
-from jaxserve.entrypoints.prompts import TokenizedPrompt
+from jaxserve.config import EngineConfig
+from jaxserve.openai.bodies import named_as_sent
+from jaxserve.openai.prompts import TokenizedPrompt
 from jaxserve.errors import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
 
 
-def check_request_limits(engine: LLMEngine, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
+class ChecksRequests(Protocol):
+    """An engine as the checks see it: LLMEngine offline and in run-batch, AsyncEngine on the server."""
+
+    config: EngineConfig  # its settings, the per-request caps among them
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int: ...
+
+
+def check_request_limits(engine: ChecksRequests, prompts: Sequence[TokenizedPrompt], params: SamplingParams,
                          spelled: dict[str, str]) -> None:
     """Refuses a request asking for more continuations or prompts than the engine's per-request caps (max_n,
     max_prompts_per_request), or one the engine would refuse for any prompt (LLMEngine.check_request: the model's

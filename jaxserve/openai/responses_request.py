@@ -13,9 +13,9 @@ import json
 import re
 from typing import Any
 
-from jaxserve.entrypoints.protocol import (OUTPUT_LOGPROBS, ResponsesFunctionCallItem, ResponsesMessageItem,
-                                           ResponsesRequestBody, ResponsesTextPart)
-from jaxserve.entrypoints.responses_output import ResponseSettings
+from jaxserve.openai.responses_api_requests import (OUTPUT_LOGPROBS, ResponsesFunctionCallItem, ResponsesMessageItem,
+                                                    ResponsesRequestBody, ResponsesTextPart)
+from jaxserve.openai.responses_output import ResponseSettings
 from jaxserve.errors import InvalidRequestError
 
 # Fields both bodies spell alike and that mean the same (vLLM's extensions among them).

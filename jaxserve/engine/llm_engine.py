@@ -9,9 +9,8 @@ with constrained rows is dispatched in two parts (ModelRunner.start / finish): i
 that runs, step N is read back, the grammars follow its tokens and the masks are filled, and then its sampler. Only
 a step whose variant runs as one program (penalties, prompt scores, drafts) reads step N back before dispatching.
 
-Prompt log-probabilities (prompt_logprobs) arrive with the samples of the steps that compute the prompt, chunk by
-chunk; they are kept by prompt position, so a preempted request recomputing its prompt, or the n continuations of
-one prompt each computing it, fill each position once.
+What callers see (text, logprobs, deltas, outputs) is assembled by engine/output_assembly.py; whether a request can
+run at all is engine/request_checks.py's; the LoRA adapters' lifecycle is engine/engine_loras.py's.
 """
 
 from __future__ import annotations
@@ -26,53 +25,27 @@ import numpy as np
 
 from jaxserve.checkpoint import LoadedModel, ModelPlan
 from jaxserve.config import EngineConfig
-from jaxserve.engine.logprobs import SampledToken, candidate_logprobs
+from jaxserve.engine.draft_model import DraftModelProposer, plan_draft_model
+from jaxserve.engine.engine_loras import EngineLoras
+from jaxserve.engine.logprobs import SampledToken
 from jaxserve.engine.lora_registry import LoraRegistry
-from jaxserve.engine.prompt_checks import check_prompt_tokens
+from jaxserve.engine.output_assembly import OutputAssembly, sampled_token
 from jaxserve.engine.request import Request
+from jaxserve.engine.request_checks import checked_max_new_tokens
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_stats import SchedulerStats
-from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.draft_model import DraftModelProposer, plan_draft_model
 from jaxserve.engine.startup import start_runner
 from jaxserve.engine.step_phases import StepPhaseTimes
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
-from jaxserve.errors import ConstraintFailedError, InvalidRequestError, JaxserveError, ModelNotFoundError
+from jaxserve.errors import ConstraintFailedError, InvalidRequestError, JaxserveError
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import CompletionDelta, Logprob, RequestOutput
-from jaxserve.runner.step_results import AcceptedDrafts, PendingStep, PromptScores, SampledBatch
+from jaxserve.outputs import CompletionDelta, RequestOutput
+from jaxserve.runner.step_results import AcceptedDrafts, PendingStep, SampledBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.schedule import ScheduledSequence, SchedulerOutput
 from jaxserve.speculative_config import DRAFT_MODEL_METHOD
 from jaxserve.structured_outputs import PARAM
 from jaxserve.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """One submitted prompt: its n continuations and what the caller sees."""
-
-    request_id: str  # the caller's id
-    prompt: str | None  # prompt text, when given as text
-    prompt_token_ids: tuple[int, ...]  # what the model sees
-    children: list[str]  # scheduler request ids of the continuations
-    sequences: dict[str, Sequence]  # child id -> output assembly
-    num_prompt_top: int | None  # prompt_logprobs: top candidates per prompt token; None when not asked for
-    prompt_logprobs: dict[int, dict[int, Logprob]]  # prompt position (from 1) -> its candidates, filled chunk by chunk
-    stream: bool = False  # each step's new tokens are reported as CompletionDelta (pop_deltas)
-
-    def record_prompt_scores(self, scores: PromptScores, tokenizer: Tokenizer) -> None:
-        """Files one chunk's scores by prompt position; a position already filled (recomputed) keeps its first."""
-        for j in range(len(scores.token_ids)):
-            if scores.first_position + j not in self.prompt_logprobs:
-                token = _sampled_token(scores, j, self.num_prompt_top)
-                self.prompt_logprobs[scores.first_position + j] = candidate_logprobs(token, tokenizer)
-
-    def prompt_logprobs_output(self) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's form: None for the first prompt token (nothing predicts it), then each token's candidates."""
-        if self.num_prompt_top is None:
-            return None
-        return [None] + [self.prompt_logprobs[p] for p in range(1, len(self.prompt_token_ids))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,17 +80,15 @@ class LLMEngine:
         self.runner, self.config, self.startup_stats, self.draft_runner = start_runner(model, config, progress, draft)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, config.grammar_compile_timeout_s)
         self.scheduler = Scheduler(self.config, proposer=DraftModelProposer(self.draft_runner) if draft else None)
-        # The LoRA adapters served; None: enable_lora is off
-        self.loras = (LoraRegistry(model.stored_config, model.config, config.max_lora_rank,
-                                   config.max_cpu_loras or config.max_loras) if config.enable_lora else None)
-        self._tracked: dict[str, _Tracked] = {}
-        self._parent_of: dict[str, str] = {}
-        self._constrained: set[str] = set()  # child requests under a grammar (structured output)
-        self._lora_of: dict[str, int] = {}  # child request -> the LoRA adapter it holds (none: absent)
+        # The LoRA adapters served (none without enable_lora) and the continuations holding them
+        self.loras = EngineLoras(LoraRegistry(model.stored_config, model.config, config.max_lora_rank,
+                                              config.max_cpu_loras or config.max_loras) if config.enable_lora else None,
+                                 self.scheduler.adapter_slots)
+        self.outputs = OutputAssembly(tokenizer)  # what callers see of each live request
+        self._constrained: set[str] = set()  # continuations under a grammar (structured output)
         self._arrivals = itertools.count()
         self._draw_seeds = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
-        self._deltas: list[CompletionDelta] = []
         self._finished: list[RequestOutput] = []  # finished in the current step() (or one that failed): pop_finished
         self._failed: list[tuple[str, JaxserveError]] = []  # (request id, why) ended with an error: pop_failed
         self.phase_times = StepPhaseTimes()  # host time per phase of step(), summed
@@ -137,18 +108,16 @@ class LLMEngine:
         cache.
         """
         params = params.with_priority(priority)
-        if request_id in self._tracked:
+        if request_id in self.outputs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         ids = tuple(prompt_token_ids)
         max_new = self.check_request(ids, params)
-        lora_id = self._lora_id(lora_request, load_lora)
+        lora_id = self.loras.resolve(lora_request, load_lora)
         arrivals = [next(self._arrivals) for _ in range(params.n)]
         # Scheduler ids unique per arrival, whatever the caller's ids: an id reused after an abort, while a step of the
         # old request is still in flight, must not take that step's rows, nor "a" with n > 1 collide with "a#1".
         children = [f"{request_id}#{arrival}" for arrival in arrivals]
         base_seed = params.seed if params.seed is not None else int(self._draw_seeds.integers(2**32))
-        tracked = _Tracked(request_id, prompt, ids, children, sequences={}, num_prompt_top=params.prompt_logprobs,
-                           prompt_logprobs={}, stream=stream)
         constraint = params.structured_outputs
         if grammar is not None and grammar.constraint != constraint:
             raise ValueError("the compiled grammar given is not the request's structured_outputs")
@@ -161,73 +130,42 @@ class LLMEngine:
                                                # As vLLM: continuation i draws with seed + i.
                                                seed=base_seed + index, eos_token_ids=self.tokenizer.eos_token_ids,
                                                grammar=grammars[index], lora_id=lora_id))
-            tracked.sequences[child] = Sequence(self.tokenizer, ids, params, max_new, index=index)
-            self._parent_of[child] = request_id
-            self._hold_lora(child, lora_id)
+            self.loras.hold(child, lora_id)
             if constraint:
                 self._constrained.add(child)
-        self._tracked[request_id] = tracked
+        self.outputs.track(request_id, prompt, ids, params, children, max_new, stream)
 
     def check_request(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> int:
         """Raises InvalidRequestError, changing nothing, if `add_request` would refuse this prompt and params for
         anything but its LoRA adapter or grammar (the model's and the step programs' limits, the scheduler's
         admission); returns the most tokens it will generate. Every way in checks each request with it before
         running any, so that one bad request never stops the others."""
-        ids = tuple(prompt_token_ids)
-        check_prompt_tokens(ids, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
-                            generates=params.max_tokens > 0)
-        max_new = self._max_new_tokens(len(ids), params)
-        self._check_runner_limits(params)
-        self.scheduler.check_admissible(len(ids), max(max_new, 1), params.priority, scores_only=params.max_tokens == 0)
-        return max_new
+        return checked_max_new_tokens(tuple(prompt_token_ids), params, self.config, self.vocab_size,
+                                      len(self.tokenizer.eos_token_ids), self.scheduler)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Serves a LoRA adapter to requests from now on (vLLM's `add_lora`); False if it was served already."""
-        if self.loras is None:
-            raise InvalidRequestError("LoRA adapters are off: start the engine with enable_lora (--enable-lora)",
-                                      param="lora_request")
         return self.loras.add(lora_request)
 
     def remove_lora(self, lora_name: str) -> bool:
         """Stops serving an adapter to new requests; those queued or running with it finish with it."""
-        removed = self.loras.remove(lora_name) if self.loras is not None else None
-        if removed is not None:
-            self.scheduler.adapter_slots.forget(removed.lora_int_id)
-        return removed is not None
+        return self.loras.remove(lora_name)
 
     def list_loras(self) -> list[LoRARequest]:
-        return self.loras.served() if self.loras is not None else []
-
-    def _lora_id(self, lora_request: LoRARequest | None, load: bool) -> int:
-        if lora_request is None:
-            return 0
-        if load or self.loras is None:
-            self.add_lora(lora_request)
-        elif self.loras.get(lora_request.lora_name) != lora_request:
-            raise ModelNotFoundError(f"the LoRA adapter {lora_request.lora_name!r} was unloaded before this request "
-                                     "reached the engine", param="model")
-        self.loras.ensure_read(lora_request.lora_int_id)  # may raise: before anything of the request is kept
-        return lora_request.lora_int_id
-
-    def _hold_lora(self, child: str, lora_id: int) -> None:
-        """The child keeps its adapter in host memory until it ends (`_forget`), so steps never read a folder."""
-        if lora_id:
-            self.loras.hold(lora_id)
-            self._lora_of[child] = lora_id
+        return self.loras.served()
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request at any point; its pages are free when this returns."""
-        tracked = self._tracked.pop(request_id, None)
-        for child in tracked.children if tracked else ():
-            self.scheduler.abort_request(child)
-            self._forget(child)
+        for continuation in self.outputs.forget(request_id):
+            self.scheduler.abort_request(continuation)
+            self._forget(continuation)
 
     def abort_all_requests(self) -> list[str]:
         """After a failed step: drops every request and the step in flight; returns the aborted request ids.
 
         A failure inside the device step may have consumed the donated pool, so the runner gets a fresh one.
         """
-        aborted = list(self._tracked)
+        aborted = self.outputs.request_ids()
         for request_id in aborted:
             self.abort_request(request_id)
         self._in_flight = None
@@ -235,10 +173,8 @@ class LLMEngine:
         # Pages registered for the failed step may never have been written, and a replaced pool holds zeros: a later
         # prompt must not find either by its content.
         self.scheduler.pool.forget_contents()
-        if self.scheduler.adapter_slots is not None:
-            # The failure may have come from writing a slot its bookkeeping already gave an adapter.
-            self.scheduler.adapter_slots.reset()
-        self._deltas.clear()
+        self.loras.forget_slots()
+        self.outputs.pop_deltas()
         self._finished.clear()
         self.runner.replace_lost_pool()
         if self.draft_runner is not None:
@@ -253,22 +189,20 @@ class LLMEngine:
                 self._in_flight.step.fetch()
             self._in_flight = None
             self.scheduler.forget_steps_in_flight()  # else the next step, if the engine serves again, waits on it
-        for request_id in list(self._tracked):
+        for request_id in self.outputs.request_ids():
             self.abort_request(request_id)
 
     def pop_deltas(self) -> list[CompletionDelta]:
         """The streaming requests' new tokens since the last call, in the order they were generated."""
-        deltas, self._deltas = self._deltas, []
-        return deltas
+        return self.outputs.pop_deltas()
 
     def scheduler_requests(self, request_id: str) -> list[Request]:
         """The scheduler's requests of a live request, one per continuation (their tokens and pages as the host knows
         them); [] once it ended."""
-        tracked = self._tracked.get(request_id)
-        return [self.scheduler.get_request(child) for child in tracked.children] if tracked is not None else []
+        return [self.scheduler.get_request(c) for c in self.outputs.continuations_of(request_id)]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._tracked) or self._in_flight is not None
+        return bool(self.outputs) or self._in_flight is not None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -331,7 +265,8 @@ class LLMEngine:
         none (an n-gram finds no earlier occurrence) the steps overlap as plain ones do."""
         if not self.config.async_scheduling or any(
                 request.params.uses_penalties
-                for request in map(self.scheduler.get_request, self._parent_of) if request is not None):
+                for request in map(self.scheduler.get_request, self.outputs.live_continuations())
+                if request is not None):
             return False
         if self._in_flight is not None and any(s.num_draft_tokens for s in self._in_flight.schedule.sequences):
             return False
@@ -366,9 +301,9 @@ class LLMEngine:
         with self.phase_times.timing("wait"):
             batch = in_flight.step.fetch()
         with self.phase_times.timing("outputs"):
-            self._record_prompt_scores(in_flight.schedule, batch)
+            self.outputs.record_prompt_scores(in_flight.schedule, batch)
             sampled = {s.request_id: int(batch.token_ids[row]) for row, s in enumerate(in_flight.schedule.sequences)
-                       if s.samples and s.request_id in self._parent_of}
+                       if s.samples and self.outputs.is_live(s.request_id)}
             accepted = {in_flight.schedule.sequences[row].request_id: drafts
                         for row, drafts in batch.accepted_drafts.items()}
             self.scheduler.update_from_output(in_flight.schedule, sampled, {
@@ -381,7 +316,7 @@ class LLMEngine:
         with self.phase_times.timing("outputs"):
             for row, scheduled in enumerate(read_back.schedule.sequences):
                 # (A continuation may have ended meanwhile with its request: its output constraint failed.)
-                if scheduled.request_id in read_back.sampled and scheduled.request_id in self._parent_of:
+                if scheduled.request_id in read_back.sampled and self.outputs.is_live(scheduled.request_id):
                     output = self._append_run(scheduled, read_back.accepted.get(scheduled.request_id),
                                               read_back.batch, row)
                     finished += [output] if output is not None else []
@@ -389,101 +324,36 @@ class LLMEngine:
 
     def _append_run(self, scheduled: ScheduledSequence, drafts: AcceptedDrafts | None, batch: SampledBatch,
                     row: int) -> RequestOutput | None:
-        """Appends a row's accepted drafts, then its sampled token, one by one until its sequence finishes (a stop
-        string or max_tokens may land inside the run): the output it finished with, or None."""
-        num_top = self._logprobs_of(scheduled)
-        tokens = [_sampled_token(drafts, j, num_top) for j in range(len(drafts.token_ids))] if drafts else []
-        for token in [*tokens, _sampled_token(batch, row, num_top)]:
-            output = self._append(scheduled.request_id, token)
-            if scheduled.request_id not in self._parent_of:  # finished with this token
+        """Appends a row's accepted drafts, then its sampled token, one by one until its continuation ends (a stop
+        string or max_tokens may land inside the run): the request's output if it ended with it, or None."""
+        continuation = scheduled.request_id
+        num_top = self.outputs.logprobs_of(continuation)
+        tokens = [sampled_token(drafts, j, num_top) for j in range(len(drafts.token_ids))] if drafts else []
+        for token in [*tokens, sampled_token(batch, row, num_top)]:
+            output = self._append(continuation, token)
+            if not self.outputs.is_live(continuation):  # ended with this token
                 return output
         return None
 
-    def _record_prompt_scores(self, schedule: SchedulerOutput, batch: SampledBatch) -> None:
-        for row, scores in batch.prompt_scores.items():
-            parent = self._parent_of.get(schedule.sequences[row].request_id)
-            if parent is not None:  # else finished or aborted since the step was dispatched
-                self._tracked[parent].record_prompt_scores(scores, self.tokenizer)
-
-    def _logprobs_of(self, scheduled) -> int:
-        return self._tracked[self._parent_of[scheduled.request_id]].sequences[scheduled.request_id].params.logprobs or 0
-
-    def _append(self, child: str, token: SampledToken) -> RequestOutput | None:
-        tracked = self._tracked[self._parent_of[child]]
-        sequence = tracked.sequences[child]
-        grammar = self.scheduler.get_request(child).grammar
+    def _append(self, continuation: str, token: SampledToken) -> RequestOutput | None:
+        grammar = self.scheduler.get_request(continuation).grammar
         if grammar is not None and grammar.failure is not None:
-            self._fail(tracked, ConstraintFailedError(
-                f"the output constraint cannot go on after {len(sequence.token_ids) + 1} generated tokens (the grammar "
-                f"allows no complete output from there): {grammar.failure}", param=PARAM))
+            self._fail(self.outputs.request_of(continuation), ConstraintFailedError(
+                f"the output constraint cannot go on after {self.outputs.num_tokens(continuation) + 1} generated "
+                f"tokens (the grammar allows no complete output from there): {grammar.failure}", param=PARAM))
             return None
-        text = sequence.append(token, grammar_done=grammar is not None and grammar.done)
-        if tracked.stream:
-            kept = sequence.max_new_tokens > 0  # a prompt-only request's one sample is not an output
-            # The whole prompt is scored before a continuation's first token is sampled.
-            first = len(sequence.token_ids) == int(kept)
-            self._deltas.append(CompletionDelta(
-                request_id=tracked.request_id, index=sequence.index, text=text,
-                token_ids=(token.token_id,) if kept else (),
-                logprobs=sequence.logprobs[-1:] if sequence.logprobs is not None else None,
-                finish_reason=sequence.finish_reason, stop_reason=sequence.stop_reason,
-                prompt_logprobs=tracked.prompt_logprobs_output() if first else None))
-        if not sequence.finished:
-            return None
-        self.scheduler.finish_request(child, sequence.finish_reason)
-        self._forget(child)
-        if any(not s.finished for s in tracked.sequences.values()):
-            return None
-        del self._tracked[tracked.request_id]
-        return RequestOutput(request_id=tracked.request_id, prompt=tracked.prompt,
-                             prompt_token_ids=tracked.prompt_token_ids,
-                             outputs=[tracked.sequences[c].to_output() for c in tracked.children], finished=True,
-                             prompt_logprobs=tracked.prompt_logprobs_output())
+        appended = self.outputs.append(continuation, token, grammar_done=grammar is not None and grammar.done)
+        if appended.ended is not None:
+            self.scheduler.finish_request(continuation, appended.ended)
+            self._forget(continuation)
+        return appended.output
 
-    def _fail(self, tracked: _Tracked, error: JaxserveError) -> None:
+    def _fail(self, request_id: str, error: JaxserveError) -> None:
         """Ends a request with `error` (pop_failed), all its continuations with it."""
-        self.abort_request(tracked.request_id)
-        self._failed.append((tracked.request_id, error))
+        self.abort_request(request_id)
+        self._failed.append((request_id, error))
 
-    def _forget(self, child: str) -> None:
-        self._parent_of.pop(child, None)
-        self._constrained.discard(child)
-        lora_id = self._lora_of.pop(child, 0)
-        if lora_id:
-            self.loras.release(lora_id)
-
-    def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = self.config.max_model_len - prompt_len
-        if params.max_tokens > room and self.config.max_tokens_policy == "reject":
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len "
-                f"({self.config.max_model_len})", param="max_tokens")
-        return min(params.max_tokens, room)
-
-    def _check_runner_limits(self, params: SamplingParams) -> None:
-        limits = self.runner.config
-        if len(params.logit_bias) > limits.max_logit_bias:
-            raise InvalidRequestError(f"logit_bias has {len(params.logit_bias)} entries; at most "
-                                      f"{limits.max_logit_bias} are allowed", param="logit_bias")
-        if len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids) > limits.max_stop_ids:
-            raise InvalidRequestError(f"at most {limits.max_stop_ids - len(self.tokenizer.eos_token_ids)} "
-                                      "stop_token_ids are allowed", param="stop_token_ids")
-        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias names a token outside the vocabulary [0, {self.vocab_size})",
-                                      param="logit_bias")
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids names a token outside the vocabulary [0, {self.vocab_size})",
-                                      param="stop_token_ids")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > limits.max_logprobs:
-                raise InvalidRequestError(f"{name} must be at most {limits.max_logprobs} (max_logprobs), got "
-                                          f"{getattr(params, name)}", param=name)
-        if params.top_k > self.vocab_size:
-            raise InvalidRequestError(f"top_k must be at most the vocabulary size ({self.vocab_size}), got "
-                                      f"{params.top_k}", param="top_k")
-
-
-def _sampled_token(batch: SampledBatch | PromptScores | AcceptedDrafts, row: int, num_top: int) -> SampledToken:
-    top = tuple((int(t), float(lp)) for t, lp in zip(batch.top_ids[row, :num_top], batch.top_logprobs[row, :num_top]))
-    return SampledToken(token_id=int(batch.token_ids[row]), logprob=float(batch.logprobs[row]),
-                        rank=int(batch.ranks[row]), top=top)
+    def _forget(self, continuation: str) -> None:
+        """What the engine kept for a continuation that ended: its grammar's place and its adapter's hold."""
+        self._constrained.discard(continuation)
+        self.loras.release(continuation)

@@ -124,6 +124,13 @@ def test_chat_applies_the_template(tiny_llm):
     assert len(result.outputs[0].token_ids) == 12
 
 
+def test_a_chat_message_without_content_is_refused_before_anything_runs(tiny_llm):
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\]: a user message needs content") as caught:
+        tiny_llm.chat([[{"role": "user", "content": "fine"}], [{"role": "system", "content": "x"}, {"role": "user"}]],
+                      GREEDY, use_tqdm=False)
+    assert caught.value.param == "messages[1].content"
+
+
 @pytest.mark.parametrize("prompt, message", [
     ("", "prompt is empty"),
     ({"prompt_token_ids": []}, "prompt is empty"),

@@ -122,6 +122,12 @@ BAD_REQUESTS = [
      _chat(tools=[_tool("f")], tool_choice="required", response_format={"type": "json_object"}), 400, "tool_choice"),
     ("a tool message without tool_call_id", "POST", CHAT,
      _chat(messages=[{"role": "user", "content": "Hi"}, {"role": "tool", "content": "x"}]), 400, "messages"),
+    *((f"a {role} message without content (OpenAI refuses it)", "POST", CHAT,
+       _chat(messages=[{"role": "user", "content": "Hi"}, {"role": role, "tool_call_id": "1"}
+                       if role == "tool" else {"role": role}]), 400, "messages[1].content")
+      for role in ["system", "developer", "user", "assistant", "tool"]),
+    ("a message whose content is null", "POST", CHAT, _chat(messages=[{"role": "user", "content": None}]), 400,
+     "messages[0].content"),
     ("a call whose arguments are not JSON", "POST", CHAT, _chat(messages=[
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f",

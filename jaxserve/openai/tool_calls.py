@@ -117,7 +117,8 @@ def _rerooted(schema: Any, root: str) -> Any:
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages as chat templates read them: a call's arguments as an object, not JSON text (as transformers
-    and vLLM pass them); a tool message must name the call it answers."""
+    and vLLM pass them); a tool message must name the call it answers, and every message but an assistant's calls
+    needs content."""
     rendered = []
     for index, message in enumerate(messages):
         if message.get("role") == "tool" and not message.get("tool_call_id"):
@@ -130,6 +131,10 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
                                           param="messages")
             message = {**message, "tool_calls": [_template_call(call, f"messages[{index}].tool_calls[{number}]")
                                                  for number, call in enumerate(message["tool_calls"])]}
+        elif message.get("content") is None:
+            # As OpenAI answers: only an assistant message that makes calls may go without content.
+            raise InvalidRequestError(f"messages[{index}]: a {message.get('role')} message needs content",
+                                      param=f"messages[{index}].content")
         rendered.append(message)
     return rendered
 

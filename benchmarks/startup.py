@@ -118,7 +118,7 @@ def compile_only(plan, config) -> dict[str, Any]:
     enable_compilation_cache(config)
     runner = ModelRunner(plan.config, plan.graphdef, plan.abstract_params, plan.dtype, config, plan.mesh)
     runner.warm_up(config.num_kv_pages, progress=False)
-    warmup = runner.warmup_stats
+    warmup = runner.programs.stats
     return {"programs": warmup.programs, "load_seconds": 0.0, "lower_seconds": warmup.lower_seconds,
             "compile_seconds": warmup.compile_seconds, "ready_seconds": time.perf_counter() - started}
 

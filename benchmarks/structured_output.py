@@ -235,7 +235,7 @@ def _device_memory(engine: LLMEngine) -> dict[str, int] | None:
     weights = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.params))
     return {"peak_bytes_in_use": stats.get("peak_bytes_in_use", 0), "bytes_limit": stats.get("bytes_limit", 0),
             "pool_bytes": pool, "weight_bytes": weights,
-            "largest_workspace_bytes": max(runner.compiled_workspaces().values(), default=0)}
+            "largest_workspace_bytes": max(runner.programs.compiled_workspaces().values(), default=0)}
 
 
 def _matches(token_ids, tokenizer) -> bool:

@@ -55,7 +55,8 @@ from jaxserve.checkpoint import BUILTIN_MODEL_DIR, LoadedModel
 from jaxserve.checkpoint.builtin import BUILTIN_INIT_STD, sharded_random_params
 from jaxserve.checkpoint.param_tree import abstract_params
 from jaxserve.config import EngineConfig
-from jaxserve.engine.kv_sizing import bytes_per_page, resolve_num_pages
+from jaxserve.engine.kv_sizing import (STEP_IO_MARGIN_SHARE, XLA_SCHEDULER_MEMORY_SHARE, bytes_per_page,
+                                       resolve_num_pages)
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import ConfigError
 from jaxserve.model.config import LlamaConfig
@@ -210,11 +211,13 @@ def seeds_comparison(rows: list[MemoryPlanRow], device_bytes: int, workspace_byt
     row = next(r for r in rows if r.weights_dtype == "float8_e4m3fn" and r.kv_dtype == "bfloat16"
                and r.tensor_parallel_size == 2)
     tp = row.tensor_parallel_size
-    held_back = (1 - PLAN_GPU_MEMORY_UTILIZATION) * device_bytes * tp
+    used_share = min(PLAN_GPU_MEMORY_UTILIZATION, XLA_SCHEDULER_MEMORY_SHARE - STEP_IO_MARGIN_SHARE)
+    held_back = (1 - used_share) * device_bytes * tp
     return (f"2 x H100, FP8 weights: the plan leaves {row.total_kv_bytes / 1e9:.1f} GB for KV against the seeds' "
             f"~{SEEDS_2XH100_FP8_KV_GB:.0f} GB. Allocator limit {tp} x {device_bytes / 1e9:.1f} GB (not 2 x 80); "
             f"weights {row.weight_bytes * tp / 1e9:.1f} GB in all (embeddings and lm_head stay bf16); "
-            f"{held_back / 1e9:.1f} GB held back by gpu_memory_utilization {PLAN_GPU_MEMORY_UTILIZATION}; "
+            f"{held_back / 1e9:.1f} GB held back (gpu_memory_utilization {PLAN_GPU_MEMORY_UTILIZATION}, capped at "
+            f"{used_share:.2f} of the device for XLA's scheduler); "
             f"{workspace_bytes * tp / 1e9:.1f} GB of activation workspace; the rest is under one page.")
 
 
@@ -264,7 +267,7 @@ def build_engine(args: argparse.Namespace, tensor_parallel_size: int) -> LLMEngi
 def decode_program_report(engine: LLMEngine, args: argparse.Namespace, tensor_parallel_size: int) -> dict[str, Any]:
     """Collectives of the program a step of `batch` greedy decode rows runs, against the rules' prediction."""
     runner = engine.runner
-    hlo = runner._programs[runner.buckets.select(args.batch, args.batch)].as_text()
+    hlo = runner.programs.step(runner.buckets.select(args.batch, args.batch)).as_text()
     return {"collectives": count_collectives(hlo), "all_gather_shapes": all_gather_shapes(hlo),
             "predicted": predicted_step_collectives(engine.runner.model_config, tensor_parallel_size),
             "num_layers": engine.runner.model_config.num_hidden_layers,

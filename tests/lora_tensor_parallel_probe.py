@@ -70,7 +70,7 @@ def stack_report(llm: LLM) -> dict:
 def collectives_report(llm: LLM) -> dict:
     """The collectives of the 16-token greedy step program, combined (tuple) all-reduces included."""
     runner = llm.engine.runner
-    text = runner._programs[runner.buckets.select(16, 4)].as_text()
+    text = runner.programs.step(runner.buckets.select(16, 4)).as_text()
     return dict(counted=count_collectives(text), all_gather_shapes=all_gather_shapes(text))
 
 

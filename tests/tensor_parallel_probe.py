@@ -88,7 +88,7 @@ def engine_report(model_dir: Path, tp: int, quantization: str | None = None, kv_
     constrained = constrained_outputs(llm)
     runner = llm.engine.runner
     arrays = flat_arrays(llm.engine.runner.params)
-    greedy_program = runner._programs[runner.buckets.select(16, 2)]
+    greedy_program = runner.programs.step(runner.buckets.select(16, 2))
     return dict(
         tokens=tokens,
         constrained=constrained,

@@ -14,6 +14,7 @@ from jaxserve.engine.kv_sizing import (STEP_IO_MARGIN_SHARE, WORKSPACE_SLACK_BYT
                                       bytes_per_page, check_workspace_plan, device_budget_bytes, resolve_num_pages)
 from jaxserve.errors import ConfigError
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step_programs import StepPrograms
 
 SIZES = dict(page_size=16, max_num_seqs=4, max_model_len=256)
 
@@ -82,10 +83,10 @@ def test_every_compiled_program_fits_the_workspace_the_sizing_measured(builtin):
     workspace (XLA's analysis) is within it."""
     config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=8)
     runner = ModelRunner(builtin.config, builtin.graphdef, builtin.params, builtin.dtype, config)
-    planned = runner.largest_step_workspace_bytes()
+    planned = runner.programs.largest_workspace_bytes()
     runner.warm_up(4096, progress=False)
-    workspaces = runner.compiled_workspaces()
-    assert len(workspaces) == runner.num_programs and planned > 0
+    workspaces = runner.programs.compiled_workspaces()
+    assert len(workspaces) == runner.programs.count and planned > 0
     assert max(workspaces.values()) <= 1.01 * planned  # buffer assignment differs a little between programs
     check_workspace_plan(planned, workspaces)
 
@@ -137,7 +138,7 @@ def _start_sized_from_memory(builtin, monkeypatch, workspaces=None):
     """start_runner as on a GPU: the pool sized from the allocator's statistics (64 MiB, 16 in use)."""
     monkeypatch.setattr(startup, "device_memory_stats", lambda: {"bytes_limit": 64 * 2**20, "bytes_in_use": 2**24})
     if workspaces is not None:
-        monkeypatch.setattr(ModelRunner, "compiled_workspaces", lambda runner: workspaces)
+        monkeypatch.setattr(StepPrograms, "compiled_workspaces", lambda programs: workspaces)
     config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=8)
     return startup.start_runner(builtin, config.with_model_limit(builtin.config.max_position_embeddings),
                                 progress=False)
@@ -146,7 +147,7 @@ def _start_sized_from_memory(builtin, monkeypatch, workspaces=None):
 def test_a_memory_sized_start_checks_its_programs_workspace(builtin, monkeypatch):
     runner, config, _, _ = _start_sized_from_memory(builtin, monkeypatch)
     assert config.num_kv_pages > 2 * 8  # sized from the 48 MiB left, not from max_num_seqs
-    check_workspace_plan(runner.largest_step_workspace_bytes(), runner.compiled_workspaces())
+    check_workspace_plan(runner.programs.largest_workspace_bytes(), runner.programs.compiled_workspaces())
     with pytest.raises(ConfigError, match="the step copy program needs 1.00 GiB of workspace"):
         _start_sized_from_memory(builtin, monkeypatch, {"step copy": 2**30})
 

@@ -45,7 +45,7 @@ def test_a_plain_step_in_two_programs_equals_the_one_program_reference(tiny_llm,
         allowed = np.full((started.bucket.num_seqs, width), ALL_ALLOWED, np.int32)
         for row, mask in masks.items():
             allowed[row] = mask
-        reference, _ = runner._jitted(runner.params, reference_pool, kept[1], jax.device_put(layout.pack(host)),
+        reference, _ = runner.programs.reference_step(runner.params, reference_pool, kept[1], jax.device_put(layout.pack(host)),
                                       jax.device_put(allowed), None, layout=layout,
                                       num_top_logprobs=runner.config.max_logprobs)
     finally:

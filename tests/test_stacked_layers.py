@@ -67,10 +67,10 @@ def test_no_step_program_s_workspace_grows_with_the_pool():
     buckets = runner.buckets.all_buckets()
     assert min(bucket.num_tokens for bucket in buckets) == 1
     for bucket in buckets:
-        small, large = runner.step_workspace_bytes(bucket, 2), runner.step_workspace_bytes(bucket, large_pool_pages)
+        small, large = runner.programs.workspace_bytes(bucket, 2), runner.programs.workspace_bytes(bucket, large_pool_pages)
         assert large - small < one_layer_slice // 100, bucket
         assert large < one_layer_slice // 4, bucket
-    assert runner.largest_step_workspace_bytes(large_pool_pages) < one_layer_slice // 4
+    assert runner.programs.largest_workspace_bytes(large_pool_pages) < one_layer_slice // 4
 
 
 @pytest.mark.parametrize("layer", [0, 1])

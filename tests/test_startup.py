@@ -43,7 +43,7 @@ def test_weights_are_read_while_the_programs_compile(monkeypatch):
     overlapped = dataclasses.replace(plan, read_params=read_params_after_compiling_starts)
     config = EngineConfig(**SMALL).with_model_limit(plan.config.max_position_embeddings)
     runner, config, stats, _ = start_runner(overlapped, config, progress=False)
-    assert stats.programs == runner.num_programs > len(runner.buckets.all_buckets()) and stats.load_seconds > 0
+    assert stats.programs == runner.programs.count > len(runner.buckets.all_buckets()) and stats.load_seconds > 0
     assert config.num_kv_pages is not None and runner.pool.num_pages == config.num_kv_pages
     loaded = plan.load(progress=False)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(runner.params), jax.tree.leaves(loaded.params)))

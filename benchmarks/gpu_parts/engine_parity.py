@@ -100,7 +100,7 @@ def with_engine(model: LoadedModel, settings: EngineSettings, backend: str, work
     finally:
         # A timed-out run's log then says where the time went.
         print(f"{backend} {np.dtype(model.dtype).name} engine's work done in {time.perf_counter() - ready:.1f} s "
-              f"(its steps ran {len(engine.runner.bucket_counts)} of its {engine.runner.num_programs} programs)",
+              f"(its steps ran {len(engine.runner.bucket_counts)} of its {engine.runner.programs.count} programs)",
               flush=True)
         engine.shutdown()
         del engine

@@ -67,7 +67,7 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress:
         pages, workspace = _pool_pages(model, config, runner, stats, pending_bytes, draft)
         config = config.with_pool(pages)
         runner.warm_up(config.num_kv_pages, progress)
-        workspaces = runner.compiled_workspaces()
+        workspaces = runner.programs.compiled_workspaces()
         log.info("%s", workspace_summary(workspaces))
         if stats is not None:  # a pool sized from memory leaves the steps only the workspace it measured
             check_workspace_plan(workspace, workspaces)
@@ -77,7 +77,7 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress:
             loaded, load_seconds = loading.result()
             runner.load_params(loaded.params)
     runner.allocate_pool(config.num_kv_pages)
-    warmup = runner.warmup_stats
+    warmup = runner.programs.stats
     startup = StartupStats(warmup.programs, load_seconds, warmup.lower_seconds, warmup.compile_seconds,
                            time.perf_counter() - started)
     log.info("ready in %.1f s: %d step programs (lowered in %.1f s, compiled in %.1f s), weights read in %.1f s",
@@ -169,7 +169,7 @@ def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: Mo
     workspace = 0
     if stats is not None:
         log.info("sizing the KV cache: compiling the largest step once to measure its workspace")
-        workspace = runner.largest_step_workspace_bytes()
+        workspace = runner.programs.largest_workspace_bytes()
     pages = resolve_num_pages(model.config, kv_pool_dtype(config.kv_cache_dtype, model.dtype),
                               page_size=config.block_size,
                               tensor_parallel_size=model.mesh.size if model.mesh is not None else 1,

@@ -33,7 +33,8 @@ from jaxserve.model.kv_quantization import kv_pool_dtype
 from jaxserve.model.param_names import is_stacked
 from jaxserve.parallel import plan_tensor_parallel
 from jaxserve.runner.buckets import StepBucket
-from jaxserve.runner.model_runner import ModelRunner, ProgramLowering
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step_programs import ProgramLowering
 
 GPU_PLATFORM = "gpu"  # what JAX calls the platform of CUDA devices, which sets the engine's GPU defaults
 # The step programs' leading arguments, as ModelRunner lowers them: the weights, then the pool.
@@ -117,7 +118,7 @@ def _shard_bytes(spec: jax.ShapeDtypeStruct) -> int:
 
 def engine_programs(engine: AbstractEngine) -> list[ProgramLowering]:
     """Every program the engine's warm-up compiles, in its order (step programs, then samplers)."""
-    return engine.runner.program_lowerings(engine.config.require("num_kv_pages"))
+    return engine.runner.programs.lowerings(engine.config.require("num_kv_pages"))
 
 
 def program_name(program: ProgramLowering) -> str:

@@ -1,8 +1,8 @@
 """`ModelRunner`: turns scheduled chunks into padded device inputs and runs the AOT-compiled step for their bucket.
 
-Every bucket is compiled at start-up, against abstract weights and pool (shapes, dtypes and shardings only), so
-compiling needs neither the weights nor the pool and can run while the weights load; after that a compile is a bug
-that the CompileGuard raises (or logs). The KV pool lives here and is donated through every step. Steps are
+Every bucket is compiled at start-up (runner/step_programs.py), against abstract weights and pool (shapes, dtypes
+and shardings only), so compiling needs neither the weights nor the pool and can run while the weights load; after
+that a compile is a bug that the CompileGuard raises (or logs). The KV pool lives here and is donated through every step. Steps are
 dispatched asynchronously: `execute` returns at once with a `PendingStep`, whose sampled tokens start copying to
 the host right away, so the caller can schedule the next step while this one runs.
 
@@ -25,19 +25,14 @@ of their own (runner/token_masks.py), so a step without structured output sends 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
-import os
-import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
 
 from jaxserve.checkpoint.lora_slots import SlotWeights
 from jaxserve.config import EngineConfig
@@ -53,10 +48,9 @@ from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.compile_options import step_compiler_options
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.lora_slots import DeviceLoraSlots
-from jaxserve.runner.packed_inputs import PackedLayout
-from jaxserve.runner.step import (LogitsShardings, StepArrays, StepResult, run_packed_forward, run_packed_sampling,
-                                  run_packed_step)
+from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult
 from jaxserve.runner.step_inputs import StepInputBuilder
+from jaxserve.runner.step_programs import AbstractArguments, StepPrograms, packed_tree, splits
 from jaxserve.runner.step_results import PendingStep, prompt_spans
 from jaxserve.runner.token_masks import StepMasks
 from jaxserve.schedule import SchedulerOutput
@@ -79,25 +73,6 @@ class StartedStep:
     def forward_running(self) -> bool:
         """Its forward pass was dispatched: the masks given to `finish` may follow tokens read back meanwhile."""
         return self.logits is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramLowering:
-    """One program `warm_up` compiles, before it is lowered: which one, and how to lower it."""
-
-    bucket: StepBucket  # the step shape it serves; a sampler's is the decode bucket of its row count
-    sampler: bool  # the plain steps' sampler of bucket.num_seqs rows, rather than the bucket's step program
-    lower: Callable[[], jax.stages.Lowered]  # traces and lowers it; needs neither the weights nor the pool
-    compiler_options: dict  # XLA options it compiles with (runner/compile_options.py); {}: XLA's defaults
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmupStats:
-    """What compiling the step programs cost at start-up."""
-
-    programs: int  # step and sampling programs compiled (or loaded from the persistent compilation cache)
-    lower_seconds: float  # tracing and lowering all of them, in this thread
-    compile_seconds: float  # wall time from the first compile started to the last one done (they run in parallel)
 
 
 class ModelRunner:
@@ -134,10 +109,6 @@ class ModelRunner:
                                   else checked_attention_backend(config, dtype, self.kv_dtype))
         self._replicated = NamedSharding(self.mesh, P())
         self._pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
-        # XLA options of the step programs (samplers keep the defaults): on a GPU, GEMMs that read each layer's
-        # weight slice in place where the weights allow it (runner/compile_options.py)
-        self._step_options = step_compiler_options(self.mesh.devices.flat[0].platform, config.gemm_backend,
-                                                   _has_quantized_weights(params))
         self.buckets = BucketSet.for_limits(config.require("max_num_batched_tokens"), config.require("max_num_seqs"),
                                             speculative=config.speculative_config is not None)
         # Drafts per row of a verifying step (K), fixing its programs' shapes; 0 without speculative decoding.
@@ -157,22 +128,17 @@ class ModelRunner:
                      if config.enable_lora else None)
         # Each step's padded host inputs, and the rows of recent sequences they are built from.
         self.inputs = StepInputBuilder(config, self.buckets, self.num_speculative_tokens, self.lora is not None)
-        self._jitted = jax.jit(functools.partial(run_packed_step, graphdef, logits_shardings=logits_shardings),
-                               static_argnames=("layout", "num_top_logprobs"), donate_argnames="pool",
-                               out_shardings=(self._replicated, self._pool_leaf_shardings()))
-        self._jitted_forward = jax.jit(
-            functools.partial(run_packed_forward, graphdef, logits_shardings=logits_shardings),
-            static_argnames=("layout", "sampling_words"), donate_argnames="pool",
-            out_shardings=(self._replicated, self._pool_leaf_shardings()))
-        self._jitted_sampling = jax.jit(run_packed_sampling, static_argnames=("layout", "num_top_logprobs", "max_rows"),
-                                        out_shardings=self._replicated)
-        # Per bucket: its one program, or a plain bucket's forward program
-        self._programs: dict[StepBucket, jax.stages.Compiled] = {}
-        self._layouts: dict[StepBucket, PackedLayout] = {}  # each bucket's inputs in its one transfer buffer
-        self._sampling_programs: dict[int, jax.stages.Compiled] = {}  # row count -> plain steps' sampler
-        self._sampling_layouts: dict[int, PackedLayout] = {}  # row count -> its sampling tensors' transfer buffer
         self._masks = StepMasks(model_config.vocab_size, self._to_devices)  # the steps' grammar token masks
-        self.warmup_stats: WarmupStats | None = None  # set by warm_up
+        arguments = AbstractArguments(
+            params=self._abstract_params, pool=self._pool_shape, pool_shardings=self._pool_leaf_shardings(),
+            last_tokens=_abstract(self._last_tokens), replicated=self._replicated, logits=logits_shardings,
+            lora=jax.tree.map(_abstract, self.lora.stack) if self.lora is not None else None,
+            mask_width=self._masks.width)
+        # The compiled programs of every bucket (compiled by warm_up) and their transfer buffers' layouts
+        self.programs = StepPrograms(graphdef, arguments, config, model_config.vocab_size, self.buckets, self.inputs,
+                                     step_compiler_options(self.mesh.devices.flat[0].platform, config.gemm_backend,
+                                                           _has_quantized_weights(params)),
+                                     self.guard)
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
         # The per-step broadcast when the mesh spans processes; None on one process.
         self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_message) if spans_processes(self.mesh)
@@ -185,34 +151,6 @@ class ModelRunner:
         already in flight keeps the slots it was given (the write makes new arrays)."""
         self.lora.write(slot, weights)
 
-    def largest_step_workspace_bytes(self, num_pages: int = 2) -> int:
-        """Temporary memory of the largest step (all tokens, all rows, full sampler, prompt scores) on one device,
-        from XLA's analysis of the (per-device, under tensor parallelism) program.
-
-        Compiled against a pool of `num_pages` pages, by default two: the workspace does not grow with the pool
-        (layers index the whole pool; no layer's pages are ever copied), so it is measured before the real pool
-        exists, and the pool is sized to what is left; `compiled_workspaces` checks that after warm-up.
-        """
-        tokens, rows = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        # The scoring bucket runs the full sampler (penalties) and adds the prompt scores' logits tiles: the most, up
-        # to XLA's buffer assignment, which the check after warm-up allows for.
-        largest = [self.buckets.select(tokens, rows, prompt_logits=True)]
-        if self.buckets.speculative:  # its sampler works on K + 1 logits rows per sequence
-            largest.append(self.buckets.select(tokens, rows, drafts=True))
-        return max(self.step_workspace_bytes(bucket, num_pages) for bucket in largest)
-
-    def compiled_workspaces(self) -> dict[str, int]:
-        """Temporary memory of every program warm_up compiled (on one device), by program: what each step needs
-        beside weights and pool at the pool's real size, which the sizing's two-page measurement stands for."""
-        programs = {**{f"step {bucket}": program for bucket, program in self._programs.items()},
-                    **{f"sampler of {rows} rows": program for rows, program in self._sampling_programs.items()}}
-        return {name: _temp_bytes(program) for name, program in programs.items()}
-
-    def step_workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
-        """Temporary memory of the bucket's program (a plain bucket's forward) against a pool of `num_pages`."""
-        with self.guard.watch():
-            return _temp_bytes(self._lower(bucket, num_pages).compile(compiler_options=self._step_options or None))
-
     def load_params(self, params: nnx.State) -> None:
         """Attaches the real weights, which must match the abstract ones the programs were compiled for."""
         if jax.tree.map(_abstract, params) != self._abstract_params:
@@ -224,101 +162,15 @@ class ModelRunner:
         self.pool = self._fresh_pool(num_pages)
 
     def warm_up(self, num_pages: int, progress: bool = True) -> None:
-        """Compiles every bucket ahead of time for a pool of `num_pages` pages, then arms the guard: no compile may
-        follow. Needs neither the weights nor the pool.
-
-        Each program is lowered here, then compiled on a thread pool (XLA compiles release the GIL), one per core,
-        while the next ones lower. Two bars count programs lowered and compiled, each to its total.
-        """
-        programs = self.program_lowerings(num_pages)
-        started = time.perf_counter()
-        lower_seconds = 0.0
-        with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
-              _program_bar("lower", len(programs), progress) as lowered_bar,
-              _program_bar("compile", len(programs), progress) as compiled_bar):
-            compiling = {}
-            for program in programs:
-                lower_started = time.perf_counter()
-                with self.guard.watch():
-                    lowered = program.lower()
-                lower_seconds += time.perf_counter() - lower_started
-                lowered_bar.update()
-                compiling[workers.submit(self._compile_watched, lowered, program.compiler_options)] = program
-            for done in concurrent.futures.as_completed(compiling):
-                self._keep(compiling[done], done.result())
-                compiled_bar.update()
+        """Compiles every program ahead of time for a pool of `num_pages` pages (StepPrograms.compile_all), then arms
+        the guard: no compile may follow. Needs neither the weights nor the pool."""
+        self.programs.compile_all(num_pages, progress)
         if self.lora is not None:
             self.lora.compile_writer(self.guard)
-        self.warmup_stats = WarmupStats(len(programs), lower_seconds, time.perf_counter() - started)
         if self._channel is not None:
             with self.guard.watch():
                 self._channel.warm_up()
         self.guard.arm()
-
-    def program_lowerings(self, num_pages: int) -> list[ProgramLowering]:
-        """Every program `warm_up` compiles for a pool of `num_pages` pages, not yet lowered: each bucket's program
-        (a plain bucket's forward), then a sampler per row count of the plain buckets."""
-        return ([ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages),
-                                 self._step_options)
-                 for bucket in self.buckets.all_buckets()]
-                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows), {})
-                   for rows in self._sampling_row_counts()])
-
-    def _keep(self, program: ProgramLowering, compiled: jax.stages.Compiled) -> None:
-        if program.sampler:
-            self._sampling_programs[program.bucket.num_seqs] = compiled
-        else:
-            self._programs[program.bucket] = compiled
-
-    def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
-        """The bucket's one program, or a plain bucket's forward program."""
-        layout = self._layout(bucket)
-        packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._replicated)
-        lora = jax.tree.map(_abstract, self.lora.stack) if self.lora is not None else None
-        pool = self._pool_shape(num_pages)
-        if splits(bucket):
-            return self._jitted_forward.lower(self._abstract_params, pool, self._last_tokens, packed, lora,
-                                              layout=layout,
-                                              sampling_words=self._sampling_layout(bucket.num_seqs).size)
-        return self._jitted.lower(self._abstract_params, pool, self._last_tokens, packed,
-                                  self._abstract_allowed(bucket.num_seqs), lora, layout=layout,
-                                  num_top_logprobs=self.config.max_logprobs)
-
-    def _lower_sampling(self, num_rows: int) -> jax.stages.Lowered:
-        """The sampler of plain steps of `num_rows` rows."""
-        layout = self._sampling_layout(num_rows)
-        logits = jax.ShapeDtypeStruct((num_rows, self.model_config.vocab_size), np.float32, sharding=self._replicated)
-        packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._replicated)
-        return self._jitted_sampling.lower(logits, packed, self._abstract_allowed(num_rows), layout=layout,
-                                           num_top_logprobs=self.config.max_logprobs, max_rows=self.buckets.max_rows)
-
-    def _abstract_allowed(self, num_rows: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((num_rows, self._masks.width), np.int32, sharding=self._replicated)
-
-    @property
-    def num_programs(self) -> int:
-        """Programs `warm_up` compiles: one per bucket and a sampler per row count of the plain buckets."""
-        return len(self.buckets.all_buckets()) + len(self._sampling_row_counts())
-
-    def _sampling_row_counts(self) -> list[int]:
-        """The row counts of the plain buckets: one sampling program each."""
-        return sorted({bucket.num_seqs for bucket in self.buckets.all_buckets() if splits(bucket)})
-
-    def _layout(self, bucket: StepBucket) -> PackedLayout:
-        """The transfer buffer of the bucket's program, or of a plain bucket's two programs."""
-        if bucket not in self._layouts:
-            self._layouts[bucket] = PackedLayout.of(_packed_tree(bucket, self.inputs.padding_arrays(bucket)))
-        return self._layouts[bucket]
-
-    def _sampling_layout(self, num_rows: int) -> PackedLayout:
-        if num_rows not in self._sampling_layouts:
-            self._sampling_layouts[num_rows] = PackedLayout.of(self.inputs.padding_arrays(StepBucket(num_rows,
-                                                                                               num_rows)).sampling)
-        return self._sampling_layouts[num_rows]
-
-    def _compile_watched(self, lowered: jax.stages.Lowered, compiler_options: dict) -> jax.stages.Compiled:
-        with self.guard.watch():
-            return lowered.compile(compiler_options=compiler_options or None)
 
     def execute(self, schedule: SchedulerOutput,
                 masks: dict[int, np.ndarray] | None = None) -> PendingStep:  # row -> i32[W]
@@ -344,7 +196,7 @@ class ModelRunner:
         with self.guard.watch(), jax.profiler.TraceAnnotation("sample"):
             allowed = self._masks.host(bucket.num_seqs, masks)
             if started.forward_running:
-                result = self._sampling_programs[bucket.num_seqs](started.logits, started.sampling_inputs,
+                result = self.programs.sampler(bucket.num_seqs)(started.logits, started.sampling_inputs,
                                                                   self._masks.device(bucket.num_seqs, allowed))
                 self._last_tokens = result.last_tokens
             else:
@@ -397,10 +249,10 @@ class ModelRunner:
             step_inputs = self.transfer(bucket, host_arrays)
             device_allowed = self._masks.device(bucket.num_seqs, allowed)
             if splits(bucket):
-                result = self._sampling_programs[bucket.num_seqs](*self._run_forward(bucket, step_inputs),
+                result = self.programs.sampler(bucket.num_seqs)(*self._run_forward(bucket, step_inputs),
                                                                   device_allowed)
             else:
-                result, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, step_inputs,
+                result, self.pool = self.programs.step(bucket)(self.params, self.pool, self._last_tokens, step_inputs,
                                                            device_allowed, self._lora_stack())
                 self.bucket_counts[bucket] += 1
         self._last_tokens = result.last_tokens
@@ -408,7 +260,7 @@ class ModelRunner:
 
     def _run_forward(self, bucket: StepBucket, step_inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Launches a plain bucket's forward program: (its logits f32[S, vocab], the packed sampling tensors)."""
-        outputs, self.pool = self._programs[bucket](self.params, self.pool, self._last_tokens, step_inputs,
+        outputs, self.pool = self.programs.step(bucket)(self.params, self.pool, self._last_tokens, step_inputs,
                                                     self._lora_stack())
         self.bucket_counts[bucket] += 1
         return outputs
@@ -419,7 +271,7 @@ class ModelRunner:
     def transfer(self, bucket: StepBucket, host_arrays: StepArrays) -> jax.Array:
         """The step's inputs packed into one buffer (i32[size]) and put on the devices: the host's last share of a
         step before its programs run."""
-        return self._to_devices(self._layout(bucket).pack(_packed_tree(bucket, host_arrays)))
+        return self._to_devices(self.programs.layout(bucket).pack(packed_tree(bucket, host_arrays)))
 
     def _padding_message(self, bucket: StepBucket) -> tuple[StepArrays, np.ndarray]:
         """What a lockstep message of the bucket carries, with its shapes: the step's arrays and its masks."""
@@ -452,18 +304,6 @@ class ModelRunner:
         if self._channel is not None and self._channel.is_leader:
             self._channel.send_stop()
 
-def _packed_tree(bucket: StepBucket, arrays: StepArrays):
-    """What the bucket's transfer buffer holds: its StepArrays, or for a plain bucket (sampling tensors, the rest), so
-    that the sampling tensors lead the buffer and its sampler reads the same words whatever the bucket."""
-    return (arrays.sampling, dataclasses.replace(arrays, sampling=None)) if splits(bucket) else arrays
-
-
-def splits(bucket: StepBucket) -> bool:
-    """A plain bucket runs as a forward program and a sampling program; other variants (penalties, prompt scores,
-    drafts: their samplers read more than the sampled rows' logits) as one program."""
-    return not (bucket.penalties or bucket.prompt_logits or bucket.drafts)
-
-
 def _has_quantized_weights(params: nnx.State) -> bool:
     """Some weight is stored in one byte (int8 or a float8): quantized, as loaded or as the checkpoint was."""
     return any(np.dtype(leaf.dtype).itemsize == 1 and np.dtype(leaf.dtype) != np.bool_
@@ -478,15 +318,3 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
 def _abstract_of(host: np.ndarray, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     """What a host array would be once placed with `sharding`, without placing it."""
     return jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)
-
-
-def _program_bar(verb: str, total: int, shown: bool) -> tqdm:
-    """A bar of step programs `verb`-ed; bars open together take a line each."""
-    return tqdm(total=total, desc=f"{verb} {total} step programs", unit="program", disable=not shown,
-                mininterval=0.5)
-
-
-def _temp_bytes(program: jax.stages.Compiled) -> int:
-    """The program's temporary memory on one device, from XLA's analysis (0 where the backend gives none)."""
-    analysis = program.memory_analysis()
-    return int(analysis.temp_size_in_bytes) if analysis is not None else 0

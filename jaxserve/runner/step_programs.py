@@ -1,0 +1,251 @@
+"""`StepPrograms`: every program a runner's steps run, lowered against abstract arguments and compiled ahead of time.
+
+Each bucket has one program, or a plain bucket (runner/step.py) a forward program and the sampler of its row count.
+They are lowered against the shapes, dtypes and shardings of the weights, the pool, the LoRA slots and the packed
+inputs alone, so compiling needs neither the weights nor the pool and can run while the weights load; the runner
+(runner/model_runner.py) calls what is compiled here with the real arrays.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.model.paged_kv_cache import PagedKVCache
+from jaxserve.runner.buckets import BucketSet, StepBucket
+from jaxserve.runner.compile_guard import CompileGuard
+from jaxserve.runner.packed_inputs import PackedLayout
+from jaxserve.runner.step import (LogitsShardings, StepArrays, run_packed_forward, run_packed_sampling,
+                                  run_packed_step)
+from jaxserve.runner.step_inputs import StepInputBuilder
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramLowering:
+    """One program `StepPrograms.compile_all` compiles, before it is lowered: which one, and how to lower it."""
+
+    bucket: StepBucket  # the step shape it serves; a sampler's is the decode bucket of its row count
+    sampler: bool  # the plain steps' sampler of bucket.num_seqs rows, rather than the bucket's step program
+    lower: Callable[[], jax.stages.Lowered]  # traces and lowers it; needs neither the weights nor the pool
+    compiler_options: dict  # XLA options it compiles with (runner/compile_options.py); {}: XLA's defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupStats:
+    """What compiling the step programs cost at start-up."""
+
+    programs: int  # step and sampling programs compiled (or loaded from the persistent compilation cache)
+    lower_seconds: float  # tracing and lowering all of them, in this thread
+    compile_seconds: float  # wall time from the first compile started to the last one done (they run in parallel)
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractArguments:
+    """What the step programs are lowered against: shapes, dtypes and shardings, nothing placed."""
+
+    params: nnx.State  # the weights (jax.ShapeDtypeStruct leaves)
+    pool: Callable[[int], PagedKVCache]  # the KV pool of so many pages (jax.ShapeDtypeStruct leaves)
+    pool_shardings: PagedKVCache  # each pool array's sharding, what every step returns the pool with
+    last_tokens: jax.ShapeDtypeStruct  # i32[max_rows]: the previous step's sampled tokens
+    lora: object | None  # the LoRA slots' stack (jax.ShapeDtypeStruct leaves); None: no adapters served
+    replicated: NamedSharding  # every step input and output other than weights, pool and LoRA slots
+    logits: LogitsShardings  # the logits as computed (split over the vocabulary under TP) and as sampled
+    mask_width: int  # W: 32-bit words of a row's grammar token mask
+
+
+class StepPrograms:
+    """The compiled programs of every bucket, and the transfer buffer layout each one reads its inputs from."""
+
+    def __init__(self, graphdef: nnx.GraphDef, arguments: AbstractArguments, config: EngineConfig,
+                 vocab_size: int, buckets: BucketSet, inputs: StepInputBuilder, step_options: dict,
+                 guard: CompileGuard):
+        self._arguments = arguments
+        self._config = config
+        self._vocab_size = vocab_size
+        self._buckets = buckets
+        self._inputs = inputs  # gives each bucket's padding inputs: the shapes its transfer buffer packs
+        self._step_options = step_options  # XLA options of the step programs (samplers keep the defaults)
+        self._guard = guard
+        self._step = jax.jit(functools.partial(run_packed_step, graphdef, logits_shardings=arguments.logits),
+                             static_argnames=("layout", "num_top_logprobs"), donate_argnames="pool",
+                             out_shardings=(arguments.replicated, arguments.pool_shardings))
+        self._forward = jax.jit(functools.partial(run_packed_forward, graphdef, logits_shardings=arguments.logits),
+                                static_argnames=("layout", "sampling_words"), donate_argnames="pool",
+                                out_shardings=(arguments.replicated, arguments.pool_shardings))
+        self._sampling = jax.jit(run_packed_sampling, static_argnames=("layout", "num_top_logprobs", "max_rows"),
+                                 out_shardings=arguments.replicated)
+        # Per bucket: its one program, or a plain bucket's forward program
+        self._programs: dict[StepBucket, jax.stages.Compiled] = {}
+        self._samplers: dict[int, jax.stages.Compiled] = {}  # row count -> plain steps' sampler
+        self._layouts: dict[StepBucket, PackedLayout] = {}  # each bucket's inputs in its one transfer buffer
+        self._sampling_layouts: dict[int, PackedLayout] = {}  # row count -> its sampling tensors' transfer buffer
+        self.stats: WarmupStats | None = None  # set by compile_all
+
+    def step(self, bucket: StepBucket) -> jax.stages.Compiled:
+        """The bucket's one program, or a plain bucket's forward program."""
+        return self._programs[bucket]
+
+    def sampler(self, num_rows: int) -> jax.stages.Compiled:
+        """The sampler of plain steps of `num_rows` rows."""
+        return self._samplers[num_rows]
+
+    def of_bucket(self, bucket: StepBucket) -> list[jax.stages.Compiled]:
+        """The programs a step of the bucket runs, in order: its one program, or its forward program and sampler."""
+        return [self.step(bucket), self.sampler(bucket.num_seqs)] if splits(bucket) else [self.step(bucket)]
+
+    def reference_step(self, *args, **kwargs):
+        """Any step as one program (run_packed_step), jitted on the call: the reference that a plain bucket's two
+        programs are checked against."""
+        return self._step(*args, **kwargs)
+
+    def compile_all(self, num_pages: int, progress: bool = True) -> None:
+        """Compiles every program for a pool of `num_pages` pages.
+
+        Each program is lowered here, then compiled on a thread pool (XLA compiles release the GIL), one per core,
+        while the next ones lower. Two bars count programs lowered and compiled, each to its total.
+        """
+        programs = self.lowerings(num_pages)
+        started = time.perf_counter()
+        lower_seconds = 0.0
+        with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
+              _program_bar("lower", len(programs), progress) as lowered_bar,
+              _program_bar("compile", len(programs), progress) as compiled_bar):
+            compiling = {}
+            for program in programs:
+                lower_started = time.perf_counter()
+                with self._guard.watch():
+                    lowered = program.lower()
+                lower_seconds += time.perf_counter() - lower_started
+                lowered_bar.update()
+                compiling[workers.submit(self._compile_watched, lowered, program.compiler_options)] = program
+            for done in concurrent.futures.as_completed(compiling):
+                self._keep(compiling[done], done.result())
+                compiled_bar.update()
+        self.stats = WarmupStats(len(programs), lower_seconds, time.perf_counter() - started)
+
+    def lowerings(self, num_pages: int) -> list[ProgramLowering]:
+        """Every program `compile_all` compiles for a pool of `num_pages` pages, not yet lowered: each bucket's
+        program (a plain bucket's forward), then a sampler per row count of the plain buckets."""
+        return ([ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages),
+                                 self._step_options)
+                 for bucket in self._buckets.all_buckets()]
+                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows), {})
+                   for rows in self._sampling_row_counts()])
+
+    @property
+    def count(self) -> int:
+        """Programs `compile_all` compiles: one per bucket and a sampler per row count of the plain buckets."""
+        return len(self._buckets.all_buckets()) + len(self._sampling_row_counts())
+
+    def largest_workspace_bytes(self, num_pages: int = 2) -> int:
+        """Temporary memory of the largest step (all tokens, all rows, full sampler, prompt scores) on one device,
+        from XLA's analysis of the (per-device, under tensor parallelism) program.
+
+        Compiled against a pool of `num_pages` pages, by default two: the workspace does not grow with the pool
+        (layers index the whole pool; no layer's pages are ever copied), so it is measured before the real pool
+        exists, and the pool is sized to what is left; `compiled_workspaces` checks that after warm-up.
+        """
+        tokens, rows = self._config.max_num_batched_tokens, self._config.max_num_seqs
+        # The scoring bucket runs the full sampler (penalties) and adds the prompt scores' logits tiles: the most, up
+        # to XLA's buffer assignment, which the check after warm-up allows for.
+        largest = [self._buckets.select(tokens, rows, prompt_logits=True)]
+        if self._buckets.speculative:  # its sampler works on K + 1 logits rows per sequence
+            largest.append(self._buckets.select(tokens, rows, drafts=True))
+        return max(self.workspace_bytes(bucket, num_pages) for bucket in largest)
+
+    def compiled_workspaces(self) -> dict[str, int]:
+        """Temporary memory of every program compiled (on one device), by program: what each step needs beside
+        weights and pool at the pool's real size, which the sizing's two-page measurement stands for."""
+        programs = {**{f"step {bucket}": program for bucket, program in self._programs.items()},
+                    **{f"sampler of {rows} rows": program for rows, program in self._samplers.items()}}
+        return {name: _temp_bytes(program) for name, program in programs.items()}
+
+    def workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
+        """Temporary memory of the bucket's program (a plain bucket's forward) against a pool of `num_pages`."""
+        with self._guard.watch():
+            return _temp_bytes(self._lower(bucket, num_pages).compile(compiler_options=self._step_options or None))
+
+    def layout(self, bucket: StepBucket) -> PackedLayout:
+        """The transfer buffer of the bucket's program, or of a plain bucket's two programs."""
+        if bucket not in self._layouts:
+            self._layouts[bucket] = PackedLayout.of(packed_tree(bucket, self._inputs.padding_arrays(bucket)))
+        return self._layouts[bucket]
+
+    def _keep(self, program: ProgramLowering, compiled: jax.stages.Compiled) -> None:
+        if program.sampler:
+            self._samplers[program.bucket.num_seqs] = compiled
+        else:
+            self._programs[program.bucket] = compiled
+
+    def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
+        """The bucket's one program, or a plain bucket's forward program."""
+        arguments, layout = self._arguments, self.layout(bucket)
+        packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=arguments.replicated)
+        pool = arguments.pool(num_pages)
+        if splits(bucket):
+            return self._forward.lower(arguments.params, pool, arguments.last_tokens, packed, arguments.lora,
+                                       layout=layout, sampling_words=self._sampling_layout(bucket.num_seqs).size)
+        return self._step.lower(arguments.params, pool, arguments.last_tokens, packed,
+                                self._abstract_allowed(bucket.num_seqs), arguments.lora, layout=layout,
+                                num_top_logprobs=self._config.max_logprobs)
+
+    def _lower_sampling(self, num_rows: int) -> jax.stages.Lowered:
+        """The sampler of plain steps of `num_rows` rows."""
+        replicated, layout = self._arguments.replicated, self._sampling_layout(num_rows)
+        logits = jax.ShapeDtypeStruct((num_rows, self._vocab_size), np.float32, sharding=replicated)
+        packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=replicated)
+        return self._sampling.lower(logits, packed, self._abstract_allowed(num_rows), layout=layout,
+                                    num_top_logprobs=self._config.max_logprobs, max_rows=self._buckets.max_rows)
+
+    def _abstract_allowed(self, num_rows: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((num_rows, self._arguments.mask_width), np.int32,
+                                    sharding=self._arguments.replicated)
+
+    def _sampling_row_counts(self) -> list[int]:
+        """The row counts of the plain buckets: one sampling program each."""
+        return sorted({bucket.num_seqs for bucket in self._buckets.all_buckets() if splits(bucket)})
+
+    def _sampling_layout(self, num_rows: int) -> PackedLayout:
+        if num_rows not in self._sampling_layouts:
+            padding = self._inputs.padding_arrays(StepBucket(num_rows, num_rows))
+            self._sampling_layouts[num_rows] = PackedLayout.of(padding.sampling)
+        return self._sampling_layouts[num_rows]
+
+    def _compile_watched(self, lowered: jax.stages.Lowered, compiler_options: dict) -> jax.stages.Compiled:
+        with self._guard.watch():
+            return lowered.compile(compiler_options=compiler_options or None)
+
+
+def packed_tree(bucket: StepBucket, arrays: StepArrays):
+    """What the bucket's transfer buffer holds: its StepArrays, or for a plain bucket (sampling tensors, the rest), so
+    that the sampling tensors lead the buffer and its sampler reads the same words whatever the bucket."""
+    return (arrays.sampling, dataclasses.replace(arrays, sampling=None)) if splits(bucket) else arrays
+
+
+def splits(bucket: StepBucket) -> bool:
+    """A plain bucket runs as a forward program and a sampling program; other variants (penalties, prompt scores,
+    drafts: their samplers read more than the sampled rows' logits) as one program."""
+    return not (bucket.penalties or bucket.prompt_logits or bucket.drafts)
+
+
+def _program_bar(verb: str, total: int, shown: bool) -> tqdm:
+    """A bar of step programs `verb`-ed; bars open together take a line each."""
+    return tqdm(total=total, desc=f"{verb} {total} step programs", unit="program", disable=not shown,
+                mininterval=0.5)
+
+
+def _temp_bytes(program: jax.stages.Compiled) -> int:
+    """The program's temporary memory on one device, from XLA's analysis (0 where the backend gives none)."""
+    analysis = program.memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else 0

@@ -4,18 +4,25 @@ What is measured: the whole engine on a Llama-3-8B-shaped random bf16 model (wit
 shapes), one engine per process (pallas and xla attention, alive together and alternated): batch-1 decode
 inter-token time against the HBM roofline (weights + KV bytes read per step / the copy bandwidth measured in that
 process, as benchmarks/kernels.py measures it), and steady decode throughput at batch 64, pallas against xla.
+Each step is also set against the card's spec bandwidth (configs/gpu-targets/*.pbtxt by device kind, else
+SPEC_BANDWIDTH), and the copy rate is cross-checked by a device memcpy and a read-only reduction of the same buffer.
 --engine-variants picks other engines from ENGINE_VARIANTS (int8 / fp8 weights, an fp8 KV cache, the layer loop in
-one CUDA graph); ratios are to the first.
+one CUDA graph); ratios are to the first. --engine-profile-steps traces that many decode steps of the first engine
+per --engine-profile-batches with jax.profiler, after the timed runs, into --engine-profile-dir (one folder per
+batch: the trace and the HLO text of the programs the steps run).
 
 Method. Each engine runs in a process of its own, started one after the other (so that their compiles do not
 compete) and alive together (so that their runs alternate round by round); this process never touches the GPU
 before they start, since JAX would claim most of its memory. A run prefills fresh random prompts, steps untimed,
-then times --engine-steps decode steps; its requests are aborted after. A run's or an engine's failure is recorded
-in the JSON with its message and the rest goes on; the JSON is rewritten after every run.
+then times --engine-steps decode steps; its requests are aborted after. A profiled run steps the same way, with the
+profiler on around its steps only. A run's or an engine's failure is recorded in the JSON with its message and the
+rest goes on; the JSON is rewritten after every run.
 
     python benchmarks/engine_bench.py --out engine.json                  # pallas against xla (GPU)
     python benchmarks/engine_bench.py --engine-variants pallas pallas-int8 pallas-fp8 --engine-grow-memory \\
         --engine-mem-fraction 0.9 --out quantized.json                   # quantized weights against bf16
+    python benchmarks/engine_bench.py --engine-variants pallas --engine-profile-steps 20 \\
+        --engine-profile-batches 1 64 --engine-profile-dir traces --out profiled.json  # 20 steps traced at 1 and 64
     python benchmarks/engine_bench.py --smoke --out smoke.json           # CPU: the built-in model, kernel interpreted
 """
 
@@ -28,6 +35,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import time
 import zlib
@@ -48,11 +56,20 @@ from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import parse_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import load_tokenizer
+from jaxserve.gpu_programs.target import TARGETS_DIR, load_target
 from bench_machine import machine_description
-from kernels import AttentionShape, describe, json_settings, kv_bytes_read, measure_copy_bandwidth
+from kernels import AttentionShape, describe, json_settings, kv_bytes_read, measure_stream_rates
 from model_shapes import LLAMA3_8B_CONFIG
 
 GOALS = {"engine_batch1_fraction_of_roofline": 0.85}
+# The HBM bandwidth NVIDIA specifies (bytes/s) for cards that have no target description in configs/gpu-targets/
+# (those give it as memory_bandwidth), by the device kind JAX reports.
+SPEC_BANDWIDTH = {
+    "NVIDIA A100-SXM4-40GB": 1.555e12, "NVIDIA A100-SXM4-80GB": 2.039e12, "NVIDIA A100 80GB PCIe": 1.935e12,
+    "NVIDIA H100 PCIe": 2.0e12, "NVIDIA H100 NVL": 3.9e12, "NVIDIA GH200 480GB": 4.0e12, "NVIDIA B200": 8.0e12,
+}
+# The host annotation around a profiled run's steps: it marks their window in the trace.
+PROFILE_WINDOW = "jaxserve_profiled_decode_steps"
 ENGINE_BACKENDS = (PALLAS_BACKEND, XLA_BACKEND)  # the default engine variants, named after their attention
 
 
@@ -104,6 +121,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-grow-memory", action="store_true",
                         help="each engine process claims memory as it needs it, up to --engine-mem-fraction "
                              "(XLA_PYTHON_CLIENT_PREALLOCATE=false): for more than two engines of unlike sizes")
+    parser.add_argument("--engine-profile-steps", type=int, default=0,
+                        help="after the timed runs, trace this many decode steps of the first engine per profiled "
+                             "batch with jax.profiler (default 0: none)")
+    parser.add_argument("--engine-profile-batches", type=int, nargs="+", default=None,
+                        help="the batches profiled (default: every --engine-batches)")
+    parser.add_argument("--engine-profile-dir", type=Path, default=None,
+                        help="where the traces go, a folder per batch (needed with --engine-profile-steps)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -124,6 +148,8 @@ class EngineSettings:
     copy_bytes: int
     reps: int
     seed: int
+    profile_steps: int = 0  # decode steps traced per profiled batch, on the first variant's engine; 0: no profile
+    profile_batches: tuple[int, ...] = ()
 
     @property
     def max_batch(self) -> int:
@@ -157,7 +183,21 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     )
     if settings.max_num_batched_tokens <= settings.max_batch:
         raise SystemExit("--engine-batched-tokens must exceed the largest engine batch (room to prefill)")
+    if args.engine_profile_steps:
+        settings = dataclasses.replace(settings, profile_steps=args.engine_profile_steps,
+                                       profile_batches=tuple(args.engine_profile_batches or settings.batches))
+        check_profile(settings, args.engine_profile_dir)
     return settings
+
+
+def check_profile(settings: EngineSettings, profile_dir: Path | None) -> None:
+    """A profiled run fits the requests' token budget (sized for the timed runs) and the engine's batch."""
+    if profile_dir is None:
+        raise SystemExit("--engine-profile-steps needs --engine-profile-dir")
+    if settings.profile_steps > settings.steps:
+        raise SystemExit("--engine-profile-steps may not exceed --engine-steps (the requests are sized for those)")
+    if max(settings.profile_batches) > settings.max_batch:
+        raise SystemExit("--engine-profile-batches may not exceed the largest --engine-batches")
 
 
 def engine_config(settings: EngineSettings, variant: EngineVariant) -> EngineConfig:
@@ -187,6 +227,18 @@ def random_model(settings: EngineSettings, quantization: str | None = None) -> L
     return LoadedModel(config, graphdef, params, dtype, BUILTIN_MODEL_DIR, "random")
 
 
+def spec_bandwidth(device_kind: str) -> dict[str, Any] | None:
+    """The HBM bandwidth the card is specified at, from the target description of its device kind in
+    configs/gpu-targets/ or else from SPEC_BANDWIDTH, with where it came from; None for a device neither knows."""
+    for path in sorted(TARGETS_DIR.glob("*.pbtxt")):
+        target = load_target(str(path))
+        if target.device_kind == device_kind:
+            return {"bytes_per_s": target.memory_bandwidth, "source": f"configs/gpu-targets/{path.name}"}
+    if device_kind in SPEC_BANDWIDTH:
+        return {"bytes_per_s": SPEC_BANDWIDTH[device_kind], "source": "engine_bench.SPEC_BANDWIDTH"}
+    return None
+
+
 def weight_bytes_per_step(model: LoadedModel) -> int:
     """Weight bytes a decode step reads: all of them but the embedding table, of which it gathers a row per token
     (negligible; a tied table is read whole as the LM head)."""
@@ -199,18 +251,23 @@ _ENGINE: dict[str, Any] = {}  # this engine process's engine and settings
 
 
 def start_engine(settings: EngineSettings, name: str) -> dict[str, Any]:
-    """Runs in the engine's process: measures the copy bandwidth while the device is still empty, then builds the
-    random model and the engine of variant `name` (compiling every bucket)."""
+    """Runs in the engine's process: measures the stream rates (the copy the roofline uses, and its cross-checks)
+    while the device is still empty, then builds the random model and the engine of variant `name` (compiling every
+    bucket)."""
     variant = ENGINE_VARIANTS[name]
-    copy = measure_copy_bandwidth(settings.copy_bytes, settings.dtype, settings.reps, warmup=2, seed=settings.seed)
+    streams = measure_stream_rates(settings.copy_bytes, settings.dtype, settings.reps, warmup=2, seed=settings.seed)
+    if "error" in streams["copy"]:
+        raise RuntimeError(f"the copy bandwidth, which the roofline needs, failed: {streams['copy']['error']}")
     model = random_model(settings, variant.quantization)
     start = time.perf_counter()
     engine = LLMEngine(model, load_tokenizer(BUILTIN_MODEL_DIR), engine_config(settings, variant), progress=False)
     _ENGINE.update(engine=engine, settings=settings)
     config = model.config
+    machine = machine_description()
     return {
-        "backend": engine.runner.attention_backend, "startup_s": time.perf_counter() - start, "copy": copy,
-        "machine": machine_description(), "weight_bytes_per_step": weight_bytes_per_step(model),
+        "backend": engine.runner.attention_backend, "startup_s": time.perf_counter() - start, **streams,
+        "spec_bandwidth": spec_bandwidth(machine["device"]),
+        "machine": machine, "weight_bytes_per_step": weight_bytes_per_step(model),
         "layers": config.num_hidden_layers, "model_shape": dataclasses.asdict(AttentionShape(
             config.num_attention_heads, config.num_key_value_heads, config.head_dim, settings.page_size,
             engine.runner.kv_dtype.name)),  # the pool's dtype: a float8 pool reads half the KV bytes
@@ -250,15 +307,7 @@ def engine_decode_run(batch: int, tag: str) -> dict[str, Any]:
 
 def _timed_decode(engine: LLMEngine, batch: int, tag: str) -> dict[str, Any]:
     settings: EngineSettings = _ENGINE["settings"]
-    rng = np.random.default_rng([settings.seed, zlib.crc32(tag.encode())])  # fresh prompts: no prefix-cache hits
-    ids = [f"{tag}-{i}" for i in range(batch)]
-    params = SamplingParams(max_tokens=settings.max_new_tokens, temperature=0.0, ignore_eos=True)
-    for request_id in ids:
-        engine.add_request(request_id, [int(t) for t in rng.integers(0, engine.vocab_size, settings.prompt_len)],
-                           params)
-    step_until_decoding(engine, ids, settings)
-    for _ in range(settings.warm_steps):
-        engine.step()
+    ids = start_decoding(engine, batch, tag, settings)
     before = request_lengths(engine, ids)
     phases_before = dataclasses.replace(engine.phase_times)
     start = time.perf_counter()
@@ -267,16 +316,81 @@ def _timed_decode(engine: LLMEngine, batch: int, tag: str) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     phases = engine.phase_times.since(phases_before).per_step_ms()
     after = request_lengths(engine, ids)
-    for request_id in ids:
-        engine.abort_request(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
+    end_requests(engine, ids)
     generated = sum(a[1] - b[1] for a, b in zip(after, before))
     return {"batch": batch, "steps": settings.steps, "seconds": seconds, "generated_tokens": generated,
             "step_s": seconds / settings.steps, "tokens_per_s": generated / seconds,
             "host_phase_ms": phases,  # per step: schedule, dispatch, wait (device time not hidden), outputs
             # Mid-window lengths stand for the window's mean KV read.
             "mid_window_seq_lens": [(a[0] + b[0]) // 2 for a, b in zip(after, before)]}
+
+
+def start_decoding(engine: LLMEngine, batch: int, tag: str, settings: EngineSettings) -> list[str]:
+    """Adds `batch` fresh random prompts (no prefix-cache hits), prefills them and runs the untimed warm steps:
+    the engine is then in steady decode. Returns the requests' ids."""
+    rng = np.random.default_rng([settings.seed, zlib.crc32(tag.encode())])
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=settings.max_new_tokens, temperature=0.0, ignore_eos=True)
+    for request_id in ids:
+        engine.add_request(request_id, [int(t) for t in rng.integers(0, engine.vocab_size, settings.prompt_len)],
+                           params)
+    step_until_decoding(engine, ids, settings)
+    for _ in range(settings.warm_steps):
+        engine.step()
+    return ids
+
+
+def end_requests(engine: LLMEngine, ids: list[str]) -> None:
+    """Aborts the run's requests and steps until the engine is idle (the step in flight included)."""
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def engine_profile_run(batch: int, tag: str, trace_dir: str) -> dict[str, Any]:
+    """Runs in the engine's process: a run like engine_decode_run's whose `profile_steps` steps are traced by
+    jax.profiler into `trace_dir`, inside a PROFILE_WINDOW annotation, beside the HLO text of the programs they
+    run. While a trace runs XLA executes its CUDA graphs op by op (so that each kernel is named): a profiled step is
+    slower than a timed one, and the report gives both."""
+    engine: LLMEngine = _ENGINE["engine"]
+    try:
+        return _profiled_decode(engine, batch, tag, Path(trace_dir))
+    except Exception:
+        engine.abort_all_requests()
+        raise
+
+
+def _profiled_decode(engine: LLMEngine, batch: int, tag: str, trace_dir: Path) -> dict[str, Any]:
+    settings: EngineSettings = _ENGINE["settings"]
+    ids = start_decoding(engine, batch, tag, settings)
+    programs = write_step_programs(engine, batch, trace_dir / "hlo")
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # tracing every Python call would slow the host's side of each step
+    with jax.profiler.trace(str(trace_dir), profiler_options=options), jax.profiler.TraceAnnotation(PROFILE_WINDOW):
+        start = time.perf_counter()
+        for _ in range(settings.profile_steps):
+            engine.step()
+        seconds = time.perf_counter() - start
+    end_requests(engine, ids)
+    return {"batch": batch, "steps": settings.profile_steps, "seconds": seconds,
+            "step_s": seconds / settings.profile_steps, "trace_dir": str(trace_dir), "hlo_files": programs,
+            "window_annotation": PROFILE_WINDOW}
+
+
+def write_step_programs(engine: LLMEngine, batch: int, folder: Path) -> list[str]:
+    """Writes the optimized HLO of the programs a decode step of `batch` sequences runs (its bucket's program and,
+    where the step is split, its sampler), one file each, and returns their paths: a trace names each kernel by
+    its HLO instruction, whose metadata gives the named scope it came from."""
+    runner = engine.runner
+    bucket = runner.buckets.select(batch, batch)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, program in enumerate(runner.programs.of_bucket(bucket)):
+        path = folder / f"program-{index}.hlo.txt"
+        path.write_text(program.as_text())
+        paths.append(str(path))
+    return paths
 
 
 def variant_environment(variant: EngineVariant) -> dict[str, str]:
@@ -303,11 +417,24 @@ def environment(**variables: str) -> Iterator[None]:
 
 def roofline(ready: dict[str, Any], run: dict[str, Any]) -> dict[str, float]:
     """The HBM floor of one decode step: weight bytes plus every layer's KV pages read, over the copy bandwidth
-    measured in the engine's own process; and the measured step's share of it."""
+    measured in the engine's own process, and over the card's spec bandwidth where it is known; and the measured
+    step's share of each."""
     shape = AttentionShape(**ready["model_shape"])
     step_bytes = ready["weight_bytes_per_step"] + ready["layers"] * kv_bytes_read(run["mid_window_seq_lens"], shape)
     floor_s = step_bytes / ready["copy"]["bytes_per_s"]
-    return {"step_bytes": step_bytes, "roofline_step_s": floor_s, "fraction_of_roofline": floor_s / run["step_s"]}
+    figures = {"step_bytes": step_bytes, "roofline_step_s": floor_s, "fraction_of_roofline": floor_s / run["step_s"]}
+    spec = ready.get("spec_bandwidth")
+    if spec is not None:  # the same bytes at the card's spec bandwidth: the floor no measured kernel can lower
+        spec_s = step_bytes / spec["bytes_per_s"]
+        figures.update(spec_roofline_step_s=spec_s, fraction_of_spec_roofline=spec_s / run["step_s"])
+    return figures
+
+
+# The stream rates each engine process measures: "copy" (x * s) sets the measured roofline, "memcpy" (a device
+# memcpy, read + written) and "read" (a read-only reduction) check it.
+STREAM_KINDS = ("copy", "memcpy", "read")
+# roofline()'s figures a summary row keeps (their medians over the rounds); the spec ones only where the spec is known.
+ROOFLINE_KEYS = ("fraction_of_roofline", "roofline_step_s", "fraction_of_spec_roofline", "spec_roofline_step_s")
 
 
 def engine_rounds(executors: dict[str, concurrent.futures.Executor], settings: EngineSettings,
@@ -339,8 +466,8 @@ def summarize_engine(ready: dict[str, dict[str, Any]], runs: dict[str, dict[int,
                 shares = [roofline(ready[backend], run) for run in good]
                 row[backend] = {"step_s": statistics.median(r["step_s"] for r in good),
                                 "tokens_per_s": statistics.median(r["tokens_per_s"] for r in good),
-                                "fraction_of_roofline": statistics.median(s["fraction_of_roofline"] for s in shares),
-                                "roofline_step_s": statistics.median(s["roofline_step_s"] for s in shares),
+                                **{key: statistics.median(s[key] for s in shares) for key in ROOFLINE_KEYS
+                                   if key in shares[0]},
                                 "host_phase_ms": {phase: statistics.median(r["host_phase_ms"][phase] for r in good)
                                                   for phase in good[0]["host_phase_ms"]}}
         first, *others = settings.variants
@@ -356,10 +483,11 @@ def summarize_engine(ready: dict[str, dict[str, Any]], runs: dict[str, dict[int,
 
 
 def run_engine_part(settings: EngineSettings, mem_fraction: float, report: dict[str, Any],
-                    save: Callable[[], None], grow_memory: bool = False) -> None:
+                    save: Callable[[], None], grow_memory: bool = False, profile_dir: Path | None = None) -> None:
     """Fills report with one engine process's figures per variant (by default pallas and xla attention), started
     one after the other so that their compiles do not compete, and alive together so that their runs alternate.
-    This process must not have touched the GPU yet: JAX would have claimed most of its memory."""
+    This process must not have touched the GPU yet: JAX would have claimed most of its memory. With
+    settings.profile_steps, the first variant's engine is then profiled into profile_dir."""
     report.update(settings={**dataclasses.asdict(settings), "max_model_len": settings.max_model_len}, ready={},
                   runs={name: {batch: [] for batch in settings.batches} for name in settings.variants})
     spawn = multiprocessing.get_context("spawn")
@@ -380,7 +508,29 @@ def run_engine_part(settings: EngineSettings, mem_fraction: float, report: dict[
                 print(f"{backend} engine failed: {report['ready'][backend]['error'][:300]}", flush=True)
             save()
         engine_rounds(executors, settings, report["runs"], save)
+        first = settings.variants[0]
+        if settings.profile_steps and first in executors:
+            report["profiles"] = {}
+            engine_profiles(executors[first], settings, profile_dir, report["profiles"], save)
     report["summary"] = summarize_engine(report["ready"], report["runs"], settings)
+
+
+def engine_profiles(executor: concurrent.futures.Executor, settings: EngineSettings, profile_dir: Path,
+                    profiles: dict[str, Any], save: Callable[[], None]) -> None:
+    """A profiled run per profiled batch on one engine, each into a fresh folder of profile_dir; failures are
+    recorded."""
+    for batch in settings.profile_batches:
+        trace_dir = profile_dir / f"batch-{batch}"
+        shutil.rmtree(trace_dir, ignore_errors=True)  # a rerun's trace would be read as this one's
+        try:
+            profiles[str(batch)] = executor.submit(engine_profile_run, batch, f"profile-b{batch}",
+                                                   str(trace_dir)).result()
+            print(f"engine {settings.variants[0]} batch {batch}: {settings.profile_steps} steps traced into "
+                  f"{trace_dir}", flush=True)
+        except Exception as error:
+            profiles[str(batch)] = {"batch": batch, "error": describe(error)}
+            print(f"engine {settings.variants[0]} batch {batch}: profile failed: {describe(error)[:300]}", flush=True)
+        save()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -398,13 +548,15 @@ def engine_line(backend: str, run: dict[str, Any]) -> str:
 def format_engine_table(engine: dict[str, Any]) -> str:
     variants = engine["settings"]["variants"]
     lines = [f"{'engine batch':>12} {'variant':>17} {'ms/step':>9} {'tok/s':>9} {'roofline ms':>11} "
-             f"{'%roofline':>9}"]
+             f"{'%roofline':>9} {'spec ms':>8} {'%spec':>6}"]
     for batch, row in engine["summary"].items():
         for backend in variants:
             if backend in row:
                 r = row[backend]
+                spec = (f"{r['spec_roofline_step_s'] * 1e3:>8.2f} {r['fraction_of_spec_roofline']:>6.0%}"
+                        if "spec_roofline_step_s" in r else f"{'-':>8} {'-':>6}")
                 lines.append(f"{batch:>12} {backend:>17} {r['step_s'] * 1e3:>9.2f} {r['tokens_per_s']:>9.1f} "
-                             f"{r['roofline_step_s'] * 1e3:>11.2f} {r['fraction_of_roofline']:>9.0%}")
+                             f"{r['roofline_step_s'] * 1e3:>11.2f} {r['fraction_of_roofline']:>9.0%} {spec}")
         for other in variants[1:]:
             if f"{other}_vs_{variants[0]}" in row:
                 lines.append(f"{batch:>12} {f'{other}/{variants[0]}':>17} {row[f'{other}_vs_{variants[0]}']:>9.2f}x")
@@ -413,10 +565,24 @@ def format_engine_table(engine: dict[str, Any]) -> str:
     if shares:
         lines.append(f"goal: batch-1 decode >= {GOALS['engine_batch1_fraction_of_roofline']:.0%} of the HBM roofline; "
                      f"measured {', '.join(shares)}")
+    lines += [stream_line(backend, ready) for backend, ready in engine["ready"].items() if "error" not in ready]
     for backend, ready in engine["ready"].items():
         if "error" in ready:
             lines.append(f"{backend} engine failed to start: {ready['error'][:300]}")
+    for batch, profile in engine.get("profiles", {}).items():
+        lines.append(f"profile batch {batch}: " + (f"failed: {profile['error'][:300]}" if "error" in profile else
+                                                   f"{profile['steps']} steps at {profile['step_s'] * 1e3:.2f} "
+                                                   f"ms/step traced into {profile['trace_dir']}"))
     return "\n".join(lines)
+
+
+def stream_line(backend: str, ready: dict[str, Any]) -> str:
+    """An engine process's stream rates (the roofline's copy and its two cross-checks) and the spec bandwidth."""
+    rates = ", ".join(f"{name} {ready[name]['bytes_per_s'] / 1e9:.0f} GB/s" if "bytes_per_s" in ready.get(name, {})
+                      else f"{name} failed" for name in STREAM_KINDS)
+    spec = ready.get("spec_bandwidth")
+    return (f"{backend} process: {rates}; spec "
+            + (f"{spec['bytes_per_s'] / 1e9:.0f} GB/s ({spec['source']})" if spec else "unknown for this device"))
 
 
 def main() -> None:
@@ -431,7 +597,7 @@ def main() -> None:
 
     # First: this process has not claimed GPU memory yet.
     run_engine_part(engine_settings(args), args.engine_mem_fraction, report.setdefault("engine", {}), save,
-                    args.engine_grow_memory)
+                    args.engine_grow_memory, args.engine_profile_dir)
     report["machine"] = machine_description()
     report["complete"] = True
     save()

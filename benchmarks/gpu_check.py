@@ -4,19 +4,22 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
 
     group 1  env            device, driver and CUDA (nvidia-smi), jax/jaxlib and package versions; imports every
                             module the other parts need, so a missing wheel shows up first
-             ceilings       HBM copy bandwidth, bf16 matmul rate, fp8 matmul rate as XLA compiles it and with its Triton
-                            GEMM fusion off (and whether each is a cuBLASLt FP8 GEMM), dispatch floor
-             kernel_check   every Pallas kernel compiled by Triton and checked against the float32 XLA reference on
-                            random ragged batches: decode, prefill, mixed x GQA 1/4/8 x head_dim 64/128, 16-token pages
-             kernel_timing  benchmarks/kernels.py at decode 64 seqs x 2k context (Llama-3.1-8B's 32/8 heads, and GQA 8)
-                            and prefill: fractions of copy bandwidth / matmul rate, vs JAX's shipped op and XLA
-             startup        benchmarks/startup.py at the 8B preset's shapes: cold (fresh compilation cache) and warm
+             decode_profile benchmarks/engine_bench.py with the 8B-shaped pallas engine alone: decode at batch 1, 64
+                            and 256 against the roofline at the card's spec bandwidth and at the copy rate measured
+                            in the engine's process (cross-checked by a memcpy and a read-only reduction); then 20
+                            steps at batch 1 and 64 traced with jax.profiler: kernels per step, GPU busy fraction,
+                            top kernels by time per named scope (layers/decoder_layer, logits, sample)
+             program_audit  `jaxserve compile --audit` of the 8B H100 preset's decode, mixed and sampler programs,
+                            deviceless and --on-device (autotuned on this GPU): what differs, program by program
+             ceilings       HBM copy bandwidth (and its memcpy and read-only cross-checks, against the spec), bf16
+                            matmul rate, fp8 matmul rate as XLA compiles it and with its Triton GEMM fusion off (and
+                            whether each is a cuBLASLt FP8 GEMM), dispatch floor
     group 2  engine_parity  Llama-3.1-8B-shaped random bf16 model, pallas vs xla attention: log-probabilities of the
                             same tokens (32 prompts + 64 greedy tokens) against a float32 engine of the same weights,
                             prefill and decode paths (pallas within 1.5x XLA's distance); greedy ids compared too
-             engine_speed   benchmarks/engine_bench.py: batch-1 decode against the HBM roofline, throughput at 64
-                            and 256 sequences, pallas vs xla, host time per step phase (schedule, dispatch, wait,
-                            outputs)
+             engine_speed   benchmarks/engine_bench.py: batch-1 decode against the HBM roofline (measured copy rate
+                            and spec), throughput at 64 and 256 sequences, pallas vs xla, host time per step phase
+                            (schedule, dispatch, wait, outputs)
     group 3  quantized_engine  benchmarks/engine_bench.py with four engines alive at once: bf16, int8 and fp8
                             weights, fp8 weights with an fp8 KV cache; batch 1 and 64 decode, each against bf16
              serve          `jaxserve serve --config configs/llama-3.1-8b-h100.yaml` on a random 8B checkpoint (its
@@ -37,6 +40,11 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
                             per token, verifying-step cost, wall speed-up
              graphed_loop   benchmarks/engine_bench.py at batch 1: pallas vs pallas with the scanned layers' loop
                             in one CUDA graph (XLA's command buffers), what the per-layer launches cost
+    group 6  kernel_check   every Pallas kernel compiled by Triton and checked against the float32 XLA reference on
+                            random ragged batches: decode, prefill, mixed x GQA 1/4/8 x head_dim 64/128, 16-token pages
+             kernel_timing  benchmarks/kernels.py at decode 64 seqs x 2k context (Llama-3.1-8B's 32/8 heads, and GQA 8)
+                            and prefill: fractions of copy bandwidth / matmul rate, vs JAX's shipped op and XLA
+             startup        benchmarks/startup.py at the 8B preset's shapes: cold (fresh compilation cache) and warm
 
 Each part runs in a process of its own under a wall-clock budget: a Triton crash, an out-of-memory or a hang costs
 that part alone (reported with its status and the tail of its output) and the rest still runs. The report is
@@ -44,10 +52,11 @@ rewritten after every part, so a run killed midway keeps what finished. Each gro
 at most, so each group fits one 10-minute command; a second run into the same --out adds its parts to the report.
 
 Results, flat in --out: gpu_check.json (every figure, the sub-benchmarks' whole reports, run metadata: commit or
-source hash, date, command), gpu_check.md (the same as tables), gpu_check.log (every part's output) and the plots
+source hash, date, command), gpu_check.md (the same as tables), gpu_check.log (every part's output), the plots
 kernels.png, engine.png, startup.png, serve.png, quantized_engine.png, speculative.png, lora.png,
-lora_kernels.png: one group's run writes the three reports and its own parts' plots, at most 8 files. Scratch
-(logs, sub-reports, the random checkpoint, reused by later runs) goes to --work-dir.
+lora_kernels.png, and decode_profile.trace.json.gz (the profiled steps' device events, for ui.perfetto.dev): one
+group's run writes the three reports and its own parts' files, at most 8. Scratch (logs, sub-reports, the random
+checkpoint, the whole traces, reused by later runs) goes to --work-dir.
 
 On a machine with the package index, once (the GPU host needs no index: it installs from .whl/):
 
@@ -55,11 +64,12 @@ On a machine with the package index, once (the GPU host needs no index: it insta
 
 On the GPU host, from the source tree with .whl/ in it (its own python3 with CUDA JAX; no .venv):
 
-    make gpu-check OUT=gpu-results ARGS="--group 1"
+    make gpu-check OUT=gpu-results ARGS="--group 1"     # first where GPU time is short
     make gpu-check OUT=gpu-results ARGS="--group 2"     # adds to gpu-results/
     make gpu-check OUT=gpu-results ARGS="--group 3"
     make gpu-check OUT=gpu-results ARGS="--group 4"
     make gpu-check OUT=gpu-results ARGS="--group 5"
+    make gpu-check OUT=gpu-results ARGS="--group 6"
     make gpu-check OUT=gpu-results ARGS="--parts kernel_check,engine_parity"
 
 Anywhere, on the CPU, with tiny shapes and the kernels interpreted (what tests/test_gpu_check.py runs):

@@ -309,16 +309,56 @@ def random_normal(key: jax.Array, shape: tuple[int, ...], dtype: str) -> jax.Arr
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def measure_copy_bandwidth(num_bytes: int, dtype: str, reps: int, warmup: int, seed: int = 0) -> dict[str, Any]:
-    """Bytes read plus written per second by a jitted x * s (s a runtime scalar, so XLA cannot drop the copy)."""
+def stream_input(num_bytes: int, dtype: str, seed: int) -> jax.Array:  # f[16, num_bytes / itemsize / 16]
+    """The buffer the stream ceilings run over: far larger than the GPU's L2 cache at the sizes used (1 GiB)."""
     slices = 16
-    elements = num_bytes // jnp.dtype(dtype).itemsize // slices
-    x = random_normal(jax.random.key(seed), (slices, elements), dtype)  # f[16, elements]
-    factor = jnp.asarray(1.0, dtype)
-    times = timed_reps(jax.jit(lambda a, s: a * s), [(x, factor)], reps, warmup)
-    moved = 2 * x.nbytes
+    return random_normal(jax.random.key(seed), (slices, num_bytes // jnp.dtype(dtype).itemsize // slices), dtype)
+
+
+def stream_rate(run: Callable[..., Any], arguments: tuple, moved: int, reps: int, warmup: int) -> dict[str, Any]:
+    """Bytes per second of a compiled stream kernel that moves `moved` bytes per call. Each rep is back-to-back calls
+    for about TARGET_REP_S (8 calls of a 1 GiB copy on an H100), so the first call's launch is a small share."""
+    times = timed_reps(run, [arguments], reps, warmup)
     return {"bytes_moved": moved, "median_s": statistics.median(times), "times_s": times,
             "bytes_per_s": moved / statistics.median(times)}
+
+
+def measure_copy_bandwidth(num_bytes: int, dtype: str, reps: int, warmup: int, seed: int = 0) -> dict[str, Any]:
+    """Bytes read plus written per second by a jitted x * s (s a runtime scalar, so XLA cannot drop the copy):
+    one elementwise loop fusion, the whole buffer read once and a buffer of the same size written."""
+    x = stream_input(num_bytes, dtype, seed)
+    factor = jnp.asarray(1.0, dtype)
+    return stream_rate(jax.jit(lambda a, s: a * s), (x, factor), 2 * x.nbytes, reps, warmup)
+
+
+def measure_memcpy_bandwidth(num_bytes: int, dtype: str, reps: int, warmup: int, seed: int = 0) -> dict[str, Any]:
+    """Bytes read plus written per second by a jitted jnp.copy, which XLA:GPU runs as one device-to-device memcpy:
+    the same stream as measure_copy_bandwidth by the driver's copy rather than an XLA kernel, to cross-check it.
+    Not donated: with the input donated XLA aliases the output to it and drops the copy (nothing is timed)."""
+    x = stream_input(num_bytes, dtype, seed)
+    compiled = jax.jit(jnp.copy).lower(x).compile()
+    return {**stream_rate(compiled, (x,), 2 * x.nbytes, reps, warmup),
+            "copies_in_program": compiled.as_text().count(" copy(")}  # 1: the program is the copy itself
+
+
+def measure_read_bandwidth(num_bytes: int, dtype: str, reps: int, warmup: int, seed: int = 0) -> dict[str, Any]:
+    """Bytes read per second by a jitted sum of the buffer into one f32: a reduction that reads every byte once and
+    writes almost nothing, as a decode step reads its weights."""
+    x = stream_input(num_bytes, dtype, seed)
+    return stream_rate(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), (x,), x.nbytes, reps, warmup)
+
+
+def measure_stream_rates(num_bytes: int, dtype: str, reps: int, warmup: int, seed: int = 0) -> dict[str, Any]:
+    """The three stream ceilings by name ("copy": x * s, "memcpy", "read"), each the error that stopped it if one
+    did; the roofline uses "copy", the others check it."""
+    measures = {"copy": measure_copy_bandwidth, "memcpy": measure_memcpy_bandwidth, "read": measure_read_bandwidth}
+    rates = {}
+    for name, measure in measures.items():
+        try:
+            rates[name] = measure(num_bytes, dtype, reps, warmup, seed)
+        except Exception as error:  # a failed cross-check leaves the others measured
+            rates[name] = {"error": describe(error)}
+    return rates
 
 
 def measure_matmul_rate(size: int, dtype: str, reps: int, warmup: int, seed: int = 0) -> dict[str, Any]:

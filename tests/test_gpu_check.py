@@ -1,9 +1,11 @@
 """benchmarks/gpu_check.py: each group of its registry fits one 10-minute command and a flat, small results folder; a
 --smoke run on the CPU, group by group, passes every part and merges them into one report; a part that fails or
-hangs is reported while the others still run."""
+hangs is reported while the others still run. The readers of the GPU-only figures on hand-made inputs: a profiler
+trace of decode steps (step_trace.py) and the comparison of two builds' program audits (program_audit.py)."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import re
@@ -30,6 +32,8 @@ from gpu_parts.engine_parity import REFERENCE, log_prob_errors, reference_settin
 from gpu_parts import structured_output as structured_part  # noqa: E402
 from gpu_parts.serving import cover_vocabulary  # noqa: E402
 from gpu_parts import lora as lora_part  # noqa: E402
+from gpu_parts import program_audit, step_trace  # noqa: E402
+from gpu_parts.decode_profile import spec_targets  # noqa: E402
 import lora as lora_benchmark  # noqa: E402
 import structured_output as structured_benchmark  # noqa: E402
 from engine_bench import ENGINE_VARIANTS, engine_config, engine_settings, parse_args  # noqa: E402
@@ -58,19 +62,32 @@ def test_each_group_fits_one_ten_minute_command_even_if_every_part_times_out():
         assert worst_s + SETUP_ALLOWANCE_S < COMMAND_LIMIT_S, (group, worst_s)
 
 
+def part_files(parts) -> list[str]:
+    """The files parts write into the results folder besides the reports: plots and artifacts (a trace)."""
+    return [name for part in parts for name in (part.plot, part.artifact) if name]
+
+
 def test_results_folder_stays_flat_small_and_plainly_named():
     reports = [REPORT_JSON, REPORT_MARKDOWN, COMBINED_LOG]
-    names = reports + [part.plot for part in PARTS if part.plot]
+    names = reports + part_files(PARTS)
     assert len(set(names)) == len(names) and all(OUT_NAME.match(name) for name in names)
     for group in GROUPS:
-        assert len(reports + [part.plot for part in PARTS if part.plot and part.group == group]) <= MAX_OUT_FILES
+        assert len(reports + part_files(part for part in PARTS if part.group == group)) <= MAX_OUT_FILES
 
 
 def test_listing_names_every_part_and_each_groups_budget():
     text = gpu_check.listing()
     assert all(part.name in text for part in PARTS)
-    assert "group 1: 480 s" in text and "group 2: 480 s" in text and "group 3: 490 s" in text
-    assert "group 4: 480 s" in text and "group 5: 480 s" in text
+    assert "group 1: 465 s" in text and "group 2: 480 s" in text and "group 3: 490 s" in text
+    assert "group 4: 480 s" in text and "group 5: 480 s" in text and "group 6: 405 s" in text
+
+
+def test_the_first_group_measures_decode_against_its_rooflines_before_anything_else():
+    """Issue 34's figures come first: a session with one GPU command still gets decode against the spec roofline,
+    its profile and the on-device audit."""
+    first = [part.name for part in PARTS if part.group == 1]
+    assert first[:3] == ["env", "decode_profile", "program_audit"]
+    assert PARTS_BY_NAME["program_audit"].gpu_args["builds"] == {"deviceless": [], "on device": ["--on-device"]}
 
 
 def test_nvidia_smi_query_rows_parse_into_named_fields():
@@ -196,6 +213,153 @@ def test_every_kernel_check_case_of_the_gpu_run_lowers_for_an_h100():
         assert triton_calls(exported) >= 1, case.label
 
 
+# A decode step's forward program as XLA:GPU prints it, cut to what the trace reader uses: a layer loop whose fusion
+# has no metadata of its own (it takes its fused computation's) and whose GEMM has, and a logits GEMM after it.
+FORWARD_HLO = """HloModule jit_run_packed_forward, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused_norm (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %m = f32[4]{0} multiply(%p, %p), metadata={op_name="LAYER/mul"}
+}
+
+%body (c: f32[4]) -> f32[4] {
+  %c = f32[4]{0} parameter(0)
+  %loop_multiply_fusion.1 = f32[4]{0} fusion(%c), kind=kLoop, calls=%fused_norm
+  ROOT %custom-call.3 = f32[4]{0} custom-call(%loop_multiply_fusion.1), metadata={op_name="LAYER/dot_general"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %while.2 = f32[4]{0} while(%x), condition=%cond, body=%body, metadata={op_name="jit(f)/layers/while"}
+  ROOT %dot.7 = f32[4]{0} custom-call(%while.2), metadata={op_name="jit(f)/logits/dot_general"}
+}
+""".replace("LAYER", "jit(f)/layers/while/body/decoder_layer")
+WINDOW = "profiled steps"
+
+
+def kernel(tid: int, name: str, ts: float, dur: float, hlo_op: str | None = None) -> dict:
+    args = {"hlo_op": hlo_op, "hlo_module": "jit_run_packed_forward"} if hlo_op else {}
+    return {"ph": "X", "pid": 2, "tid": tid, "ts": ts, "dur": dur, "name": name, "args": args}
+
+
+def gpu_trace() -> dict:
+    """Two decode steps on a GPU as the profiler writes them: the window's host annotation (100-300 us), a host
+    thunk annotation naming an instruction, kernels and a host-to-device copy on two stream lines, a derived
+    "XLA Ops" line repeating a kernel, and a kernel that started before the window."""
+    names = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+             {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+             {"ph": "M", "pid": 2, "tid": 10, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+             {"ph": "M", "pid": 2, "tid": 11, "name": "thread_name", "args": {"name": "Stream #8(MemcpyH2D)"}},
+             {"ph": "M", "pid": 2, "tid": 12, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    host = [{"ph": "X", "pid": 1, "tid": 1, "ts": 100, "dur": 200, "name": WINDOW},
+            {"ph": "X", "pid": 1, "tid": 1, "ts": 110, "dur": 5, "name": "Thunk", "args": {"hlo_op": "custom-call.3"}}]
+    device = [kernel(10, "input_reduce_fusion", 50, 60, "while.2"), kernel(11, "MemcpyH2D", 115, 10),
+              kernel(10, "loop_multiply_fusion_1", 120, 10, "loop_multiply_fusion.1"),
+              kernel(10, "sm90_xmma_gemm_bf16", 130, 40, "custom-call.3"),
+              kernel(10, "loop_multiply_fusion_1", 200, 10, "loop_multiply_fusion.1"),
+              kernel(10, "sm90_xmma_gemm_bf16", 210, 40, "custom-call.3"),
+              kernel(10, "nvjet_logits", 260, 30, "dot.7"), kernel(12, "custom-call.3", 130, 40, "custom-call.3")]
+    return {"displayTimeUnit": "ns", "traceEvents": names + host + device}
+
+
+def write_trace(folder: Path, trace: dict) -> None:
+    run = folder / "plugins" / "profile" / "2026_11_27_10_00_00"
+    run.mkdir(parents=True)
+    with gzip.open(run / "host.trace.json.gz", "wt") as stream:
+        json.dump(trace, stream)
+
+
+def test_a_gpu_trace_of_two_steps_reads_into_kernels_busy_time_and_scopes(tmp_path):
+    write_trace(tmp_path / "trace", gpu_trace())
+    (tmp_path / "forward.hlo.txt").write_text(FORWARD_HLO)
+    summary, excerpt = step_trace.read_profile(tmp_path / "trace", WINDOW, 2, [str(tmp_path / "forward.hlo.txt")])
+    # Started in the window: 5 kernels and 1 copy. Busy: 100-110 (the early kernel), 115-170, 200-250, 260-290.
+    assert summary["kernels_per_step"] == 2.5 and summary["copies_per_step"] == 0.5
+    assert summary["busy_fraction"] == pytest.approx(145 / 200) and summary["ms_per_step"] == pytest.approx(0.1)
+    assert summary["device_ms_per_step"] == pytest.approx(0.07)
+    assert [(s["scope"], s["launches_per_step"], s["ms_per_step"]) for s in summary["scopes"]] == [
+        ("layers/decoder_layer", 2, pytest.approx(0.05)), ("logits", 0.5, pytest.approx(0.015)),
+        (step_trace.UNATTRIBUTED, 0.5, pytest.approx(0.005))]
+    assert summary["attributed_fraction"] == pytest.approx(130 / 140)
+    top = summary["top_kernels"][0]
+    assert (top["scope"], top["hlo_op"], top["kernel"], top["calls_per_step"], top["us_per_call"]) == (
+        "layers/decoder_layer", "custom-call.3", "sm90_xmma_gemm_bf16", 1, 40)
+    assert {e.get("name") for e in excerpt if e["ph"] == "X"} >= {WINDOW, "nvjet_logits", "input_reduce_fusion"}
+    assert not [e for e in excerpt if e.get("tid") == 12]  # the derived line stays out
+
+
+def test_host_thunks_stand_in_for_kernels_only_when_asked():
+    trace = gpu_trace()
+    assert "Thunk" not in {e.name for e in step_trace.device_events(trace)}
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e.get("pid") != 2]  # a trace without CUPTI's events
+    assert step_trace.device_events(trace) == []
+    assert [e.name for e in step_trace.device_events(trace, host_thunks=True)] == ["Thunk"]
+
+
+def test_kernels_overlapping_by_a_rounding_both_count_and_a_thunk_around_others_does_not():
+    line = [{"pid": 1, "tid": 1, "ts": 0.0, "dur": 10.0005, "name": "a"},
+            {"pid": 1, "tid": 1, "ts": 10.0, "dur": 5.0, "name": "b"},
+            {"pid": 1, "tid": 1, "ts": 20.0, "dur": 30.0, "name": "while.5"},  # XLA:CPU's loop around its body
+            {"pid": 1, "tid": 1, "ts": 21.0, "dur": 4.0, "name": "body op"}]
+    assert [e["name"] for e in step_trace.innermost(line)] == ["a", "b", "body op"]
+
+
+def test_a_kernel_belongs_to_the_innermost_named_scope_on_its_path():
+    assert step_trace.scope_of("jit(f)/layers/while/body/decoder_layer/dot_general") == "layers/decoder_layer"
+    assert step_trace.scope_of("jit(f)/layers/while/cond/lt") == "layers"
+    assert step_trace.scope_of("jit(run_packed_sampling)/sample/sort") == "sample"
+    assert step_trace.scope_of("jit(f)/gather") == step_trace.OUTSIDE_SCOPES
+    assert step_trace.scope_of(None) == step_trace.UNATTRIBUTED
+
+
+def test_excerpts_of_two_runs_share_one_trace_under_their_labels():
+    trace = gpu_trace()
+    events = step_trace.device_events(trace)
+    part = step_trace.excerpt(trace, events, (100, 300), WINDOW)
+    combined = step_trace.combined_trace({"batch 1": part, "batch 64": part})
+    names = sorted(e["args"]["name"] for e in combined["traceEvents"] if e.get("name") == "process_name")
+    assert names == ["batch 1: /device:GPU:0", "batch 1: /host:CPU", "batch 64: /device:GPU:0", "batch 64: /host:CPU"]
+    assert len({e["pid"] for e in combined["traceEvents"]}) == 4
+
+
+def audited(name: str, gemm: str, copies: int, temp_mib: int, graphs: int) -> dict:
+    """An audit's program entry with what the comparison reads."""
+    return {"name": name, "temp_bytes": temp_mib * 2**20, "gemms": [{"backend": gemm, "per_run": 161}],
+            "custom_calls": {"__gpu$xla.gpu.triton": 32},
+            "copies": [{"role": "weight", "per_run": copies, "bytes": 2**20}] if copies else [],
+            "launches": {"per_layer": 20, "thunks": {"command_buffers": graphs, "in_command_buffers": 19,
+                                                     "launches": 34}},
+            "roofline": {"ratio": 1.0}, "rematerialized": 0}
+
+
+def test_the_program_comparison_shows_each_build_where_they_differ_and_one_value_where_they_agree():
+    reports = {"deviceless": {"programs": [audited("decode S=1", "__cublas$lt$matmul", 0, 32, 3)]},
+               "on device": {"programs": [audited("decode S=1", "__triton_nested_gemm_fusion", 160, 400, 2),
+                                          audited("sampler S=1", "xla fusion", 0, 2, 1)]}}
+    rows = program_audit.compare(reports)
+    assert [row["program"] for row in rows] == ["decode S=1", "sampler S=1"]
+    assert rows[0]["differs"] == ["temp MiB", "GEMMs", "weight copies/run", "CUDA graphs"]
+    assert rows[0]["cells"]["GEMMs"] == {"deviceless": "161 cublasLt", "on device": "161 tritonN"}
+    assert rows[1]["cells"]["temp MiB"] == {"deviceless": "missing", "on device": "2"}
+    figures = {"config": "c.yaml", "target": "h100", "programs": "decode", "comparison": rows,
+               "builds": {"deviceless": [], "on device": ["--on-device"]},
+               "audits": {label: {"report": {**report, "setup": {"device_kind": "NVIDIA H100 80GB HBM3",
+                                                                 "num_kv_pages": 24335}}, "seconds": 9.0}
+                          for label, report in reports.items()}}
+    text = program_audit.summary(figures)
+    assert ("| decode S=1 | **32 -> 400** | **161 cublasLt -> 161 tritonN** | 32 triton | **0 -> 160 = 160 MiB** |"
+            in text)
+    assert "2 of 2 programs differ" in text
+
+
+def test_decode_targets_are_judged_on_the_spec_roofline_share_of_the_first_engine():
+    engine = {"settings": {"variants": ["pallas"]},
+              "summary": {"1": {"pallas": {"fraction_of_spec_roofline": 0.8}},
+                          "64": {"pallas": {"fraction_of_spec_roofline": 0.5}}, "256": {"pallas": {}}}}
+    assert spec_targets(engine) == {"1": {"target": 0.75, "measured": 0.8, "met": True},
+                                    "64": {"target": 0.65, "measured": 0.5, "met": False}}
+
+
 def run_gpu_check(out: Path, work: Path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--smoke", "--out", str(out),
                            "--work-dir", str(work), *flags], capture_output=True, text=True, cwd=REPO,
@@ -208,7 +372,15 @@ def assert_figures_of_every_part(parts: dict) -> None:
     for ceiling in ("matmul_bf16", "matmul_fp8", "matmul_fp8_cublas"):
         assert figures["ceilings"][ceiling]["flops_per_s"] > 0
     assert figures["ceilings"]["matmul_fp8_cublas"]["compiler_options"] == {"xla_gpu_enable_triton_gemm": False}
-    assert figures["ceilings"]["copy"]["bytes_per_s"] > 0
+    assert all(figures["ceilings"][name]["bytes_per_s"] > 0 for name in ("copy", "memcpy", "read"))
+    profiled = figures["decode_profile"]
+    assert {(row["batch"], row["backend"]) for row in profiled["rows"]} == {(1, "pallas"), (2, "pallas")}
+    for profile in profiled["profiles"].values():
+        assert profile["kernels_per_step"] > 0 and 0 < profile["busy_fraction"] <= 1
+        assert {"layers/decoder_layer", "logits", "sample"} <= {scope["scope"] for scope in profile["scopes"]}
+    assert set(profiled["profiles"]) == {"1", "2"} and profiled["trace"]["written"]
+    decode, sampler = figures["program_audit"]["comparison"]
+    assert {"GEMMs", "weight copies/run"} <= set(decode["differs"]) and sampler["differs"] == []
     cases = figures["kernel_check"]["cases"]
     assert figures["kernel_check"]["interpret"] and {case["kind"] for case in cases} == {"decode", "prefill", "mixed"}
     assert all(case["passed"] and case["kernel_rel_error"] < 0.02 for case in cases)
@@ -263,7 +435,7 @@ def test_smoke_run_group_by_group_passes_every_part_into_one_report(tmp_path):
     assert [run["parts"] for run in report["runs"]] == [[p.name for p in PARTS if p.group == g] for g in GROUPS]
     assert all(run["finished_at"] and run["revision"]["source_sha256"] for run in report["runs"])
     files = sorted(path.name for path in out.iterdir())
-    assert files == sorted([REPORT_JSON, REPORT_MARKDOWN, COMBINED_LOG] + [p.plot for p in PARTS if p.plot])
+    assert files == sorted([REPORT_JSON, REPORT_MARKDOWN, COMBINED_LOG] + part_files(PARTS))
     assert all((out / part.plot).read_bytes().startswith(PNG_MAGIC) for part in PARTS if part.plot)
     markdown = (out / REPORT_MARKDOWN).read_text()
     assert all(f"## {part.name}" in markdown and f"| {part.name} | {part.group} | ok |" in markdown for part in PARTS)
@@ -280,5 +452,6 @@ def test_a_failing_and_a_hanging_part_are_reported_while_the_others_still_run(tm
     assert parts["ceilings"]["status"] == "ok"
     assert parts["startup"]["status"] == "timeout" and parts["startup"]["seconds"] < 3 + GRACE_S + 5
     markdown = (out / REPORT_MARKDOWN).read_text()
-    assert "| env | 1 | **error** |" in markdown and "| startup | 1 | **timeout** |" in markdown
+    startup_group = PARTS_BY_NAME["startup"].group
+    assert "| env | 1 | **error** |" in markdown and f"| startup | {startup_group} | **timeout** |" in markdown
     assert "fault injected into part env" in (out / COMBINED_LOG).read_text()

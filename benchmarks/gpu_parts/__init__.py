@@ -6,11 +6,13 @@ it: every part runs in a process of its own, under its time budget, so a crash, 
 part only, and the GPU memory it claimed is freed before the next starts.
 
 Budgets are wall-clock limits in seconds, process start and JAX's import included. Each group's GPU budgets add up to
-8.2 minutes at most, so that a group, with the wheels' install before it, fits one 10-minute command. Groups 1 and
-2 validate and measure the engine itself; group 3 measures quantized weights and serving over HTTP; group 4 measures
-what serving LoRA adapters costs (the engine, and the delta's forms) and the host's work per step on the GPU host's
-CPU; group 5 what structured output costs, speculative decoding, and batch-1 decode with the layer loop in one CUDA
-graph.
+8.2 minutes at most, so that a group, with the wheels' install before it, fits one 10-minute command. Group 1 is
+the one to run first when GPU time is short: decode against the spec and measured rooflines with a profile of its
+steps, and the step programs compiled on the device against the deviceless build (issue 34's measurements). Group
+2 validates the engine's numerics and measures pallas against xla attention; group 3 measures quantized weights and
+serving over HTTP; group 4 what serving LoRA adapters costs (the engine, and the delta's forms) and the host's work
+per step on the GPU host's CPU; group 5 what structured output costs, speculative decoding, and batch-1 decode
+with the layer loop in one CUDA graph; group 6 checks and times the Pallas kernels alone and the engine's start-up.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-GROUPS = (1, 2, 3, 4, 5)
+GROUPS = (1, 2, 3, 4, 5, 6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Part:
     smoke_args: dict[str, Any]  # keyword arguments of `run` with --smoke
     about: str  # one line for --list and the report
     plot: str | None = None  # the PNG it writes into the output folder, None for none
+    artifact: str | None = None  # another file it writes into the output folder (a trace), None for none
 
 
 # Engine settings (benchmarks/engine_bench.py's flags) shared by engine_parity and engine_speed: the same
@@ -78,36 +81,43 @@ STRUCTURED_GPU_ARGS = ["--model-shape", "llama-3.1-8b", "--dtype", "bfloat16", "
 STRUCTURED_SMOKE_ARGS = ["--requests", "4", "--rounds", "1", "--max-num-seqs", "4", "--seqs", "4", "--vocab", "3000",
                          "--steps", "4"]
 
+# The step programs audited on the device against the deviceless build: the decode programs the engine runs most
+# (batch 1 and 64), a short and a long mixed step, and the samplers of 1 and 64 rows (a sort's library may differ).
+AUDITED_PROGRAMS = "decode S=(1|64)$|mixed T=(512|8192) S=64$|sampler S=(1|64)$"
+AUDITED_PRESET = "configs/llama-3.1-8b-h100.yaml"
+
 # Attention shapes of the Llama-3.1-8B kernels (32 query heads over 8 KV heads of 128) and their GQA-8 sibling.
 LLAMA_8B_DECODE = ["--batches", "64", "--contexts", "2048"]
 
 PARTS = [
     Part("env", 1, 30, 60, "gpu_parts.env:run", {}, {},
          "device, driver, CUDA, jax/jaxlib and package versions; every module the parts import"),
+    # decode_profile: one cold pallas engine (ready in 27 s on the last H100 run), 3 batches x 2 rounds of timed
+    # decode (about 40 s there), then 2 profiled runs (prefill, warm-up, 20 traced steps, the trace's export): about
+    # 150 s.
+    Part("decode_profile", 1, 240, 240, "gpu_parts.decode_profile:run",
+         dict(args=[*ENGINE_GPU_ARGS, "--engine-rounds", "2", "--engine-variants", "pallas"], profile_batches=[1, 64],
+              profile_steps=20),
+         dict(args=[*ENGINE_SMOKE_ARGS, "--engine-variants", "pallas"], profile_batches=[1, 2], profile_steps=3),
+         "8B-shaped pallas decode at batch 1/64/256 against the spec and measured-copy rooflines (copy rate "
+         "cross-checked); a profile of 20 steps at batch 1 and 64: kernels per step, GPU busy fraction, top kernels "
+         "per named scope", artifact="decode_profile.trace.json.gz"),
+    # program_audit: 7 programs compiled on an H100 took 16 s (plus about 20 s to start and build the engine); the
+    # deviceless build of these 6 takes 12 s on 2 cores.
+    Part("program_audit", 1, 150, 120, "gpu_parts.program_audit:run",
+         dict(config=AUDITED_PRESET, target="auto", programs=AUDITED_PROGRAMS,
+              builds={"deviceless": [], "on device": ["--on-device"]}),
+         # No GPU: a second deviceless build with Triton GEMMs stands in for the device's, so that the
+         # comparison has differences to show.
+         dict(config=AUDITED_PRESET, target="h100", programs="decode S=1$|sampler S=1$",
+              builds={"deviceless": [], "deviceless, Triton GEMMs": ["--gemm-backend", "triton"]}),
+         "the 8B H100 preset's decode, mixed and sampler programs compiled on the GPU (autotuned) against the "
+         "deviceless build: temp, GEMM backends, copies, launches per layer, CUDA graphs, moved/must-read"),
     Part("ceilings", 1, 45, 60, "gpu_parts.ceilings:run",
          dict(copy_mib=1024, matmul_size=8192, reps=20, warmup=3),
          dict(copy_mib=16, matmul_size=256, reps=3, warmup=1),
-         "HBM copy bandwidth, bf16 and fp8 matmul rates, dispatch floor"),
-    Part("kernel_check", 1, 120, 120, "gpu_parts.kernel_check:run",
-         dict(kinds=["decode", "prefill", "mixed"], groups=[1, 4, 8], head_dims=[64, 128], page_sizes=[PAGE_SIZE],
-              kv_heads=8, long_len=1000),
-         dict(kinds=["decode", "prefill", "mixed"], groups=[4], head_dims=[64], page_sizes=[PAGE_SIZE], kv_heads=1,
-              long_len=40),
-         "every Pallas kernel compiled and checked against the XLA reference on random ragged batches"),
-    Part("kernel_timing", 1, 135, 120, "gpu_parts.kernel_timing:run",
-         dict(runs={"llama-3.1-8b (32/8 heads)": [*LLAMA_8B_DECODE, "--prefill-shapes", "1x2048", "16x128",
-                                                  "--prefill-priors", "0", "--reps", "10"],
-                    "GQA 8 (64/8 heads)": [*LLAMA_8B_DECODE, "--heads", "64", "--skip-prefill", "--reps", "10"]}),
-         dict(runs={"smoke": ["--smoke", "--batches", "3", "--contexts", "40", "--prefill-shapes", "2x16",
-                              "--prefill-priors", "0"]}),
-         "decode 64 x 2k and prefill against copy bandwidth / matmul rate, JAX's shipped op and XLA",
-         plot="kernels.png"),
-    Part("startup", 1, 150, 120, "gpu_parts.startup_time:run",
-         dict(args=["--model", "llama-3.1-8b", "--layers", "32", "--max-num-seqs", "64",
-                    "--max-num-batched-tokens", "8192", "--max-model-len", "8192"]),
-         dict(args=["--model", "builtin", "--layers", "2", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
-                    "--max-model-len", "64", "--dtype", "float32"]),
-         "engine start-up at the 8B preset's shapes, cold and warm compilation cache", plot="startup.png"),
+         "HBM copy bandwidth (cross-checked by a memcpy and a read-only reduction), bf16 and fp8 matmul rates, "
+         "dispatch floor"),
     # engine_parity's budget: on the last H100 run the xla engine was ready in 90 s (cold, its GEMMs autotuned) and the
     # pallas one in 27 s; the float32 reference now compiles 6 programs (estimated well under a minute) and scores in
     # about 420 16-token steps (~15 s): about 200 s in all, so 320 s alone (--parts engine_parity) fits a 450 s command.
@@ -120,8 +130,8 @@ PARTS = [
     Part("engine_speed", 2, 160, 180, "gpu_parts.engine_speed:run",
          dict(args=[*ENGINE_GPU_ARGS, "--engine-rounds", "2"]),
          dict(args=ENGINE_SMOKE_ARGS),
-         "batch-1 decode against the HBM roofline, throughput at 64 and 256 sequences, pallas vs xla; host time per "
-         "step phase",
+         "batch-1 decode against the HBM roofline (spec and measured copy), throughput at 64 and 256 sequences, "
+         "pallas vs xla; host time per step phase",
          plot="engine.png"),
 ]
 PARTS += [
@@ -163,5 +173,25 @@ PARTS += [
          dict(args=[*ENGINE_SMOKE_ARGS, "--engine-batches", "1", "--engine-variants", "pallas", "pallas-graphed-loop"]),
          "batch-1 decode, pallas vs pallas with the scanned layers' loop in one CUDA graph (what the per-layer "
          "launches cost)", plot="graphed_loop.png"),
+    Part("kernel_check", 6, 120, 120, "gpu_parts.kernel_check:run",
+         dict(kinds=["decode", "prefill", "mixed"], groups=[1, 4, 8], head_dims=[64, 128], page_sizes=[PAGE_SIZE],
+              kv_heads=8, long_len=1000),
+         dict(kinds=["decode", "prefill", "mixed"], groups=[4], head_dims=[64], page_sizes=[PAGE_SIZE], kv_heads=1,
+              long_len=40),
+         "every Pallas kernel compiled and checked against the XLA reference on random ragged batches"),
+    Part("kernel_timing", 6, 135, 120, "gpu_parts.kernel_timing:run",
+         dict(runs={"llama-3.1-8b (32/8 heads)": [*LLAMA_8B_DECODE, "--prefill-shapes", "1x2048", "16x128",
+                                                  "--prefill-priors", "0", "--reps", "10"],
+                    "GQA 8 (64/8 heads)": [*LLAMA_8B_DECODE, "--heads", "64", "--skip-prefill", "--reps", "10"]}),
+         dict(runs={"smoke": ["--smoke", "--batches", "3", "--contexts", "40", "--prefill-shapes", "2x16",
+                              "--prefill-priors", "0"]}),
+         "decode 64 x 2k and prefill against copy bandwidth / matmul rate, JAX's shipped op and XLA",
+         plot="kernels.png"),
+    Part("startup", 6, 150, 120, "gpu_parts.startup_time:run",
+         dict(args=["--model", "llama-3.1-8b", "--layers", "32", "--max-num-seqs", "64",
+                    "--max-num-batched-tokens", "8192", "--max-model-len", "8192"]),
+         dict(args=["--model", "builtin", "--layers", "2", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
+                    "--max-model-len", "64", "--dtype", "float32"]),
+         "engine start-up at the 8B preset's shapes, cold and warm compilation cache", plot="startup.png"),
 ]
 PARTS_BY_NAME = {part.name: part for part in PARTS}

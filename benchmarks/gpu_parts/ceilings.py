@@ -1,5 +1,7 @@
-"""The device's ceilings, measured as benchmarks/kernels.py measures them: HBM copy bandwidth, the bf16 matmul rate,
-the fp8 matmul rate where the device has fp8 tensor cores (compute capability 8.9 and up), and the dispatch floor."""
+"""The device's ceilings, measured as benchmarks/kernels.py measures them: HBM copy bandwidth (x * s over 1 GiB, the
+rate engine rooflines use) cross-checked by a device memcpy and a read-only reduction of the same buffer, each set
+against the card's spec bandwidth; the bf16 matmul rate, the fp8 matmul rate where the device has fp8 tensor cores
+(compute capability 8.9 and up), and the dispatch floor."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from engine_bench import spec_bandwidth
 from gpu_parts.context import PartContext, PartOutcome
-from kernels import (describe, measure_copy_bandwidth, measure_dispatch_floor, measure_matmul_rate, random_normal,
-                     timed_reps)
+from kernels import (describe, measure_copy_bandwidth, measure_dispatch_floor, measure_matmul_rate,
+                     measure_memcpy_bandwidth, measure_read_bandwidth, random_normal, timed_reps)
 
 FP8_DTYPE = "float8_e4m3fn"
 FP8_MIN_COMPUTE_CAPABILITY = 8.9  # Ada and Hopper: the first with fp8 tensor cores
@@ -27,6 +30,8 @@ CUBLAS_ONLY = {"xla_gpu_enable_triton_gemm": False}
 def run(context: PartContext, copy_mib: int, matmul_size: int, reps: int, warmup: int) -> PartOutcome:
     measures = {
         "copy": lambda: measure_copy_bandwidth(copy_mib * 2**20, "bfloat16", reps, warmup),
+        "memcpy": lambda: measure_memcpy_bandwidth(copy_mib * 2**20, "bfloat16", reps, warmup),
+        "read": lambda: measure_read_bandwidth(copy_mib * 2**20, "bfloat16", reps, warmup),
         "matmul_bf16": lambda: measure_matmul_rate(matmul_size, "bfloat16", reps, warmup),
         "matmul_fp8": lambda: measure_fp8_matmul_rate(matmul_size, reps, warmup),
         "matmul_fp8_cublas": lambda: measure_fp8_matmul_rate(matmul_size, reps, warmup, CUBLAS_ONLY),
@@ -39,6 +44,7 @@ def run(context: PartContext, copy_mib: int, matmul_size: int, reps: int, warmup
             figures[name] = {"skipped": skipped} if skipped else measure()
         except Exception as error:  # one failed ceiling leaves the others measured
             figures[name] = {"error": describe(error)}
+    figures["spec_bandwidth"] = spec_bandwidth(jax.devices()[0].device_kind)
     passed = all("error" not in figures[name] for name in ("copy", "matmul_bf16"))
     return PartOutcome(figures, summary(figures), passed)
 
@@ -82,13 +88,26 @@ def figure(entry: dict[str, Any], key: str, scale: float, unit: str) -> str:
 
 
 def summary(figures: dict[str, Any]) -> str:
+    spec = figures["spec_bandwidth"]
     return "\n".join([
-        f"- HBM copy bandwidth (read + written): {figure(figures['copy'], 'bytes_per_s', 1e9, 'GB/s')}",
+        f"- HBM copy bandwidth (x * s, read + written): {stream_text(figures['copy'], spec)}",
+        f"- HBM memcpy bandwidth (device-to-device, read + written): {stream_text(figures['memcpy'], spec)}",
+        f"- HBM read bandwidth (a sum, read only): {stream_text(figures['read'], spec)}",
+        "- spec bandwidth: " + (f"{spec['bytes_per_s'] / 1e9:.0f} GB/s ({spec['source']})" if spec
+                                else "unknown for this device"),
         f"- bf16 matmul: {figure(figures['matmul_bf16'], 'flops_per_s', 1e12, 'TFLOP/s')}",
         f"- fp8 (e4m3) matmul: {fp8_line(figures['matmul_fp8'])}",
         f"- fp8 (e4m3) matmul, Triton GEMM fusion off: {fp8_line(figures['matmul_fp8_cublas'])}",
         f"- dispatch floor per call: {figure(figures['dispatch'], 'median_s', 1e-6, 'us')}",
     ])
+
+
+def stream_text(entry: dict[str, Any], spec: dict[str, Any] | None) -> str:
+    """A stream rate, with its share of the spec bandwidth where that is known."""
+    text = figure(entry, "bytes_per_s", 1e9, "GB/s")
+    if spec is None or "bytes_per_s" not in entry:
+        return text
+    return f"{text} ({entry['bytes_per_s'] / spec['bytes_per_s']:.0%} of spec)"
 
 
 def fp8_line(entry: dict[str, Any]) -> str:

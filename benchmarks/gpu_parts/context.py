@@ -18,10 +18,11 @@ REPO = BENCHMARKS.parent
 class PartContext:
     """Where a part writes, and how big it runs."""
 
-    out_dir: Path  # the report's folder: flat, a few files; a part writes there only the plot its Part names
+    out_dir: Path  # the report's folder: flat, a few files; a part writes there only the files its Part names
     work_dir: Path  # scratch that outlives the run (sub-benchmark JSON, logs, the random checkpoint), reused by reruns
     smoke: bool  # the CPU check: tiny shapes, kernels interpreted
     plot: Path | None  # where the part's plot goes (in out_dir), None for a part without one
+    artifact: Path | None = None  # where the part's other file (a trace) goes (in out_dir), None for none
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,7 @@ def run_job(job: PartJob) -> None:
     module_name, function_name = part.run.split(":")
     run = getattr(importlib.import_module(module_name), function_name)
     out_dir = Path(job.out_dir)
-    context = PartContext(out_dir, Path(job.work_dir), job.smoke, out_dir / part.plot if part.plot else None)
+    context = PartContext(out_dir, Path(job.work_dir), job.smoke, out_dir / part.plot if part.plot else None,
+                          out_dir / part.artifact if part.artifact else None)
     outcome = run(context, **job.args)
     Path(job.result_path).write_text(json.dumps(dataclasses.asdict(outcome), indent=1, default=str))

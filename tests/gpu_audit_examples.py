@@ -80,6 +80,16 @@ def _quantized_matmul(x, w, scale, widen_in_memory: bool):
     return (x @ wide) * scale
 
 
+def _pallas_quantized_layer_loop(x, up, up_scale, down, down_scale):
+    """The scanned MLP over layer-stacked int8 weights, each projection the Pallas W8A16 GEMM given the layer index."""
+    from kernels_pallas.quantized_matmul import quantized_matmul
+
+    def layer(h, index):
+        hidden = jax.nn.silu(quantized_matmul(h, up, up_scale, index))
+        return h + quantized_matmul(hidden, down, down_scale, index), None
+    return jax.lax.scan(layer, x, jnp.arange(LAYERS))[0]
+
+
 _X = ((ROWS, HIDDEN), jnp.bfloat16, Role.INPUT, None)
 _STACKED = (((LAYERS, HIDDEN, FFN), jnp.bfloat16, Role.WEIGHT, 0),
             ((LAYERS, FFN, HIDDEN), jnp.bfloat16, Role.WEIGHT, 0))
@@ -87,6 +97,9 @@ _POOL = (((KV_HEADS, HEAD_DIM), jnp.float32, Role.INPUT, None),
          ((KV_HEADS, LAYERS, PAGES, HEAD_DIM), jnp.float32, Role.POOL, 1))
 _QUANTIZED = (_X, ((HIDDEN, FFN), jnp.int8, Role.WEIGHT, None), ((FFN,), jnp.bfloat16, Role.WEIGHT, None))
 _ACTIVATIONS = ROWS * (HIDDEN + FFN) * 2  # one layer's rows, bf16
+# [L, out, in] weights as the engine stores them, with per-output-channel scales.
+_STACKED_INT8 = (((LAYERS, FFN, HIDDEN), jnp.int8, Role.WEIGHT, 0), ((LAYERS, FFN), jnp.float32, Role.WEIGHT, 0),
+                 ((LAYERS, HIDDEN, FFN), jnp.int8, Role.WEIGHT, 0), ((LAYERS, HIDDEN), jnp.float32, Role.WEIGHT, 0))
 
 EXAMPLES = (
     Example("weight slices copied", _layer_loop, (_X, *_STACKED), _ACTIVATIONS),
@@ -103,5 +116,7 @@ EXAMPLES = (
     Example("int8 weight widened in memory", lambda x, w, s: _quantized_matmul(x, w, s, True), _QUANTIZED,
             _ACTIVATIONS),
     Example("int8 weight widened in its GEMM", lambda x, w, s: _quantized_matmul(x, w, s, False), _QUANTIZED,
+            _ACTIVATIONS),
+    Example("int8 stacked weights read by the Pallas GEMM", _pallas_quantized_layer_loop, (_X, *_STACKED_INT8),
             _ACTIVATIONS),
 )

@@ -122,6 +122,16 @@ def test_the_widening_guard_passes_a_quantized_weight_widened_in_its_gemm(audits
     assert widening_violations(audits[example_key("int8 weight widened in its GEMM")]) == []
 
 
+@needs_cuda_plugin
+def test_the_pallas_w8a16_gemm_reads_each_layers_int8_weight_in_place(audits):
+    """kernels_pallas/quantized_matmul.py in a layer loop: no weight slice copied, nothing widened in memory, temp
+    within the activations; each projection one Triton kernel per layer (XLA's own int8 GEMMs copy or widen)."""
+    audit = audits[example_key("int8 stacked weights read by the Pallas GEMM")]
+    assert copy_violations(audit) == [] and widening_violations(audit) == [] and temp_violations(audit) == []
+    assert audit.custom_calls == {"__gpu$xla.gpu.triton": 2 * 4} and audit.gemms == ()  # per run: 2 a layer
+    assert [loop.trip_count for loop in audit.loops] == [4]
+
+
 # The guards on the engine's own programs.
 
 @needs_cuda_plugin

@@ -86,6 +86,19 @@ class EngineConfig:
     # Fast paths, each with a switch that turns it off.
     enable_prefix_caching: bool = _setting(True, "reuse the KV pages of shared prompt prefixes")
     enable_chunked_prefill: bool = _setting(True, "split long prompts over steps")
+    # How prompts share a step's token budget (vLLM's flags and defaults; engine/scheduler.py, "A step").
+    max_num_partial_prefills: int = _setting(1, "chunked prefill: prompts whose prefill may advance in one step "
+                                             "without finishing; above 1, each prompt's chunk is at most "
+                                             "max_num_batched_tokens / (prompts prefilling, up to this many), so "
+                                             "short prompts start beside long ones (default 1: a prompt may take "
+                                             "the whole budget)")
+    max_long_partial_prefills: int = _setting(1, "chunked prefill, with max_num_partial_prefills above 1: of those, "
+                                              "how many may be long (more tokens left than "
+                                              "long_prefill_token_threshold); other long prompts wait a step while "
+                                              "shorter ones pass them (at most max_num_partial_prefills)")
+    long_prefill_token_threshold: int = _setting(0, "chunked prefill, with max_num_partial_prefills above 1: a prompt "
+                                                 "with more tokens than this left to compute is long (default 0: 4% "
+                                                 "of max_model_len)")
     async_scheduling: bool = _setting(True, "schedule step N+1 while the device runs step N")
     attention_backend: str = _setting("auto", "paged attention: auto (default: pallas on a GPU, else xla), pallas "
                                       "(the Pallas kernel) or xla")
@@ -150,7 +163,7 @@ class EngineConfig:
             _check_type(field.name, getattr(self, field.name), _HINTS[field.name])
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
                      "max_stop_ids", "priority_aging_steps", "max_loras", "max_lora_rank", "max_lora_wait_steps",
-                     "max_n", "max_prompts_per_request"):
+                     "max_n", "max_prompts_per_request", "max_num_partial_prefills", "max_long_partial_prefills"):
             if getattr(self, name) is not None:
                 _check_at_least(name, getattr(self, name), 1)
         _check_at_least("max_logit_bias", self.max_logit_bias, 0)
@@ -186,6 +199,7 @@ class EngineConfig:
         self._check_attention_choice()
         self._check_gemm_backend()
         self._check_chunking()
+        self._check_partial_prefills()
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -255,6 +269,27 @@ class EngineConfig:
                 and self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len):
             raise ConfigError(f"without chunked prefill {_named('max_num_batched_tokens')} "
                               f"({self.max_num_batched_tokens}) must be at least max_model_len ({self.max_model_len})")
+
+    def _check_partial_prefills(self) -> None:
+        # vLLM's checks of the same flags (vllm/config/scheduler.py), each naming the flag.
+        _check_at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ConfigError(f"{_named('max_long_partial_prefills')} ({self.max_long_partial_prefills}) must be at "
+                              f"most max_num_partial_prefills ({self.max_num_partial_prefills})")
+        if self.max_num_partial_prefills > 1 and not self.enable_chunked_prefill:
+            raise ConfigError(f"{_named('max_num_partial_prefills')} above 1 needs chunked prefill "
+                              "(--enable-chunked-prefill)")
+        if self.max_model_len is not None and self.long_prefill_token_threshold > self.max_model_len:
+            raise ConfigError(f"{_named('long_prefill_token_threshold')} ({self.long_prefill_token_threshold}) must "
+                              f"be at most max_model_len ({self.max_model_len})")
+
+    @property
+    def long_prefill_tokens(self) -> int:
+        """Prompts with more tokens than this left to compute are long; 0: no prompt is (a single partial prefill
+        takes the whole budget). vLLM's default: 4% of max_model_len once partial prefills are concurrent."""
+        if self.max_num_partial_prefills == 1:
+            return 0
+        return self.long_prefill_token_threshold or int(self.require("max_model_len") * 0.04)
 
 
 _HINTS = typing.get_type_hints(EngineConfig)

@@ -14,27 +14,53 @@ Queue policy. Each request gets a rank on arrival and both queues are kept in ra
   of more urgent requests delays it, never starves it. Steps, not seconds: the scheduler keeps no clock, and a
   step is the unit of work it hands out. Requests of one priority are served first come, first served.
 
+A step (vLLM's chunked-prefill policy, made explicit). The token budget (`max_num_batched_tokens`) goes, in order:
+
+1. to the running decodes (requests with one token to compute), in rank order: a prompt never delays them;
+2. to the running prefills (more than one token left: a prompt, or a preempted request's recompute), in rank order;
+3. to waiting requests, admitted in rank order, each with its first chunk.
+
+A prefill that does not fit the budget left is chunked (`enable_chunked_prefill`). With `max_num_partial_prefills`
+1 (the default) the first one that does not fit takes the rest of the budget, so one long prompt may fill whole
+steps while the short ones behind it wait. Above 1, vLLM's limits let short prompts start beside long ones:
+
+- each prefill chunk is at most max_num_batched_tokens / n tokens, n the prompts that may prefill in this step (the
+  running prefills, then waiting requests up to the free sequence slots and the long limit), at most
+  `max_num_partial_prefills`;
+- at most `max_num_partial_prefills` chunks of one step leave their prompt unfinished;
+- at most `max_long_partial_prefills` of its prefills are long (more tokens left to compute than
+  `long_prefill_token_threshold`, by default 4% of max_model_len): a long prompt past that limit is passed over
+  for this step, and shorter ones behind it start. A long prompt is passed over only for better-ranked long prompts
+  (the first ones in rank order take the long slots), so it still waits for finitely many.
+
+Pages are found in rank order, whatever the batch order: when they run out, the worst-ranked running request is
+preempted by recompute (fcfs: the newest; priority: the least urgent, the newest among equals, as vLLM v1 picks,
+aged as above), its chunk dropped from the batch: its pages go back, its computed count drops to zero and it returns
+to the waiting queue at its rank with its outputs kept. Admission guarantees that any request fits the pool alone,
+so the best-ranked running request can always proceed: no deadlock. No request is admitted in a step that preempted
+one for a shortage: the pages just freed would let a victim caught mid-prefill straight back in with a small first
+chunk, restarting it for nothing.
+
 Whatever the policy:
 
-- Running requests are served first, in rank order.
 - Waiting requests are admitted in rank order with head-of-line blocking: when the head does not fit (tokens, pages
   or sequence cap), nothing behind it is admitted. A request only ever waits for better-ranked ones, of which
-  finitely many can exist: starvation is bounded. One exception: a request whose LoRA adapter finds every adapter
-  slot held by other adapters' running requests is passed over (as in vLLM v1) for at most `max_lora_wait_steps`
-  steps; after that it blocks the queue again, so those requests drain, a slot frees, and it is served.
-- When pages run out, the worst-ranked running request is preempted by recompute (fcfs: the newest; priority: the
-  least urgent, the newest among equals, as vLLM v1 picks, aged as above): its pages go back, its computed count
-  drops to zero and it returns to the waiting queue at its rank with its outputs kept. Admission guarantees that any
-  request fits the pool alone, so the best-ranked running request can always proceed: no deadlock. No request is
-  admitted in a step that preempted one: the pages just freed would let a victim caught mid-prefill straight back
-  in with a small first chunk, restarting it for nothing.
+  finitely many can exist: starvation is bounded. Two exceptions pass a request over for a step: the long-prefill
+  limit above, and a request whose LoRA adapter finds every adapter slot held by other adapters' running requests
+  (as in vLLM v1), for at most `max_lora_wait_steps` steps; after that it blocks the queue again, so those requests
+  drain, a slot frees, and it is served.
 - Admission and preemption share the rank, so a request aged into admission is not the first victim of the next
   shortage (admitted, preempted, admitted again, each time recomputing).
-- An arrival never preempts (vLLM v1 does the same): a more urgent request that does not fit waits at the head of
-  the queue until pages come free, by a finish or by the next shortage of a running request, whose victim is the
-  worst-ranked running request; ranked ahead of that victim, the arrival takes the freed pages first. Preempting on
-  arrival would throw away the victims' computed KV for a request that may still not fit, and each urgent arrival
-  could restart the same low-priority request again.
+
+Priority preemption. Under `priority`, when the best-ranked waiting request waits for a sequence slot
+(`max_num_seqs`) or for the pages of its first chunk, the least urgent running requests that it outranks and that
+have a strictly larger `priority` value are preempted for it, the worst-ranked first, as few as make it fit (none if
+they cannot), and it alone is admitted in that step. vLLM v1 lets such an arrival wait for the running batch to
+drain (its issue #40004): 16 low-priority requests holding 16 slots made an urgent one finish last of 17. Aging keeps
+this from starving anyone: a running request is preempted only for requests ranked ahead of it, i.e. of a priority
+k levels more urgent arriving less than k x priority_aging_steps steps after it, finitely many; after that window
+no arrival outranks it. A victim ranks behind every running request it shares a priority with, so victims never
+preempt each other back.
 
 Async overlap: the engine may call `schedule()` for step N+1 before `update_from_output()` of step N, so progress is
 booked at schedule time. A chunk that reaches the end of its request's tokens samples and appends a pending token,
@@ -50,6 +76,7 @@ prompt; only requests admitted later reuse its pages.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import operator
 from collections.abc import Mapping
@@ -76,7 +103,12 @@ class _StepPlan:
 
     token_budget: int  # tokens the step may still take
     sequences: list[ScheduledSequence] = dataclasses.field(default_factory=list)  # the batch so far, in order
-    preempted: bool = False  # a running request lost its pages in this call
+    preempted: bool = False  # a running request lost its pages to a shortage in this call: nobody is admitted
+    admit_one: bool = False  # running requests were preempted for the best-ranked waiting one: only it is admitted
+    # Chunked prefill's limits (module docstring, "A step"), filled in once the running decodes are planned:
+    prefill_cap: int = 0  # most tokens one prefill chunk may take in this step
+    num_partial: int = 0  # prefill chunks planned that leave their request's prefill unfinished
+    num_long: int = 0  # long prefills (more tokens left than the threshold) with a chunk planned
     lora_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slot, adapter id) to write
     # Requests whose chunk reaches past their registered pages (a decode token: every page_size-th step): their
     # full pages are offered to the prefix cache once the batch is built.
@@ -95,6 +127,9 @@ class Scheduler:
         self.max_num_batched_tokens = config.require("max_num_batched_tokens")
         self.num_pages = config.require("num_kv_pages")
         self.page_size = config.block_size
+        self.max_num_partial_prefills = config.max_num_partial_prefills
+        self.max_long_partial_prefills = config.max_long_partial_prefills
+        self.long_prefill_tokens = config.long_prefill_tokens  # 0: no prompt is long
         self.pool = PagePool(self.num_pages, self.page_size, config.enable_prefix_caching)
         self._requests: dict[str, Request] = {}
         # LoRA adapter slots held by running requests; None: the engine serves no adapters
@@ -138,6 +173,8 @@ class Scheduler:
         # A static batch stays open until its first token exists, so it fills up even when the prompts of one
         # batch take several steps' token budgets to prefill.
         batch_in_progress = self.config.static_batching and any(r.output_token_ids for r in self._running)
+        if self.config.scheduling_policy == PRIORITY_POLICY and not batch_in_progress:
+            self._preempt_for_waiting(plan)
         self._schedule_running(plan)
         if not plan.preempted and not batch_in_progress:
             self._admit_waiting(plan)
@@ -239,30 +276,151 @@ class Scheduler:
                                       f"{usable_pages}; lower max_tokens", param="max_tokens")
 
     def _schedule_running(self, plan: _StepPlan) -> None:
+        planned, needing_pages = self._plan_running(plan)
+        if needing_pages:
+            self._find_pages(needing_pages, plan)
+        if plan.preempted:  # the victims' chunks are dropped
+            planned = [(request, num_new) for request, num_new in planned if request.status is RequestStatus.RUNNING]
+        for request, num_new in planned:
+            self._schedule_chunk(request, num_new, plan)
+
+    def _plan_running(self, plan: _StepPlan) -> tuple[list[tuple[Request, int]], list[tuple[Request, int]]]:
+        """Tokens for each running request, in batch order: the decodes, then the prefills' chunks under the partial-
+        prefill limits (module docstring, "A step"), as (request, tokens); and those of them whose chunk reaches past
+        the pages their request holds. Nothing is booked yet."""
         # The per-request work of a step at hundreds of sequences: properties are read inline (each call saved per
         # request is ~0.03 ms per step at 256 sequences, benchmarks/host_overhead.py).
-        index, page_size, running = 0, self.page_size, self._running
-        while index < len(running) and plan.token_budget > 0:
-            request = running[index]
-            remaining = 0 if len(request.output_token_ids) >= request.max_new_tokens else (
-                request.num_tokens - request.num_computed_tokens)
-            num_new = remaining if remaining <= plan.token_budget else self._chunk_size(remaining, plan.token_budget)
+        planned: list[tuple[Request, int]] = []
+        needing_pages: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
+        budget, page_size = plan.token_budget, self.page_size
+        for request in self._running:
+            if len(request.output_token_ids) >= request.max_new_tokens:
+                continue  # its last output is sampled; it waits only for finish_request
+            computed = request.num_computed_tokens
+            remaining = request.num_tokens - computed
+            if remaining == 1:
+                if budget:
+                    planned.append((request, 1))
+                    budget -= 1
+                    # Most decodes fit the pages they hold (a decode token needs a new page every 16th step).
+                    if computed >= len(request.page_ids) * page_size:
+                        needing_pages.append((request, 1))
+            elif remaining:
+                prefills.append((request, remaining))
+        plan.prefill_cap = self._prefill_cap(prefills)
+        for request, remaining in prefills:
+            if not budget:
+                break
+            num_new = self._prefill_chunk(remaining, budget, plan)
             if num_new:
-                # Most steps fit the pages a request holds (a decode token needs a new page every 16th step).
-                stop = request.num_computed_tokens + num_new
-                if stop > len(request.page_ids) * page_size and not self._make_room(request, stop, plan):
-                    return
-                self._schedule_chunk(request, num_new, plan)
-            index += 1
+                planned.append((request, num_new))
+                budget -= num_new
+                if request.num_computed_tokens + num_new > len(request.page_ids) * page_size:
+                    needing_pages.append((request, num_new))
+        return planned, needing_pages
+
+    def _find_pages(self, needing_pages: list[tuple[Request, int]], plan: _StepPlan) -> None:
+        """Allocates the pages the planned chunks lack, in rank order; short of pages, the worst-ranked running
+        requests are preempted (their chunks are dropped) until the chunk fits or its own request was the worst."""
+        for request, num_new in sorted(needing_pages, key=lambda chunk: chunk[0].rank):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for a better-ranked request's pages
+            stop = request.num_computed_tokens + num_new
+            if not self._make_room(request, stop, plan):
+                return  # it went itself, the last of the running requests
+            missing = self._pages_for(stop) - len(request.page_ids)
+            request.page_ids += tuple(self.pool.allocate(missing))
 
     def _make_room(self, request: Request, num_tokens: int, plan: _StepPlan) -> bool:
         """Preempts the worst-ranked running requests until `request` can hold `num_tokens`; False if it went itself."""
         while self._pages_for(num_tokens) - len(request.page_ids) > self.pool.num_allocatable:
             victim = self._running[-1]
-            self._preempt(victim, plan)
+            self._preempt(victim)
+            plan.preempted = True
             if victim is request:
                 return False
         return True
+
+    def _prefill_cap(self, running_prefills: list[tuple[Request, int]]) -> int:
+        """The most tokens one prefill chunk may take in this step: the budget shared by the prefills that may advance
+        in it (vLLM's "schedulable prefills": the running ones, then waiting ones up to the free sequence slots, long
+        ones up to their limit), at most max_num_partial_prefills of them."""
+        limit = self.max_num_partial_prefills
+        if limit == 1:
+            return self.max_num_batched_tokens
+        count = len(running_prefills)
+        num_long = sum(1 for _, remaining in running_prefills if self._is_long(remaining))
+        free_slots = self.max_num_seqs - len(self._running)
+        for request in self._waiting[:free_slots]:
+            if count >= limit:
+                break
+            if self._is_long(request.num_tokens_to_compute):
+                if num_long >= self.max_long_partial_prefills:
+                    continue
+                num_long += 1
+            count += 1
+        return self.max_num_batched_tokens // max(min(count, limit), 1)
+
+    def _prefill_chunk(self, num_remaining: int, token_budget: int, plan: _StepPlan) -> int | None:
+        """The size of a prefill's chunk in this step (of `num_remaining` tokens left), counted against the partial-
+        prefill limits; 0 if it does not fit the budget unchunked, None if the limits pass it over for this step."""
+        is_long = self._is_long(num_remaining)
+        if is_long and plan.num_long >= self.max_long_partial_prefills:
+            return None
+        num_new = self._chunk_size(num_remaining, min(token_budget, plan.prefill_cap))
+        if num_new < num_remaining and plan.num_partial >= self.max_num_partial_prefills:
+            return None
+        if num_new:
+            plan.num_partial += num_new < num_remaining
+            plan.num_long += is_long
+        return num_new
+
+    def _is_long(self, num_remaining: int) -> bool:
+        return 0 < self.long_prefill_tokens < num_remaining
+
+    def _preempt_for_waiting(self, plan: _StepPlan) -> None:
+        """Priority policy: preempts for the best-ranked waiting request when it waits for a sequence slot or pages
+        (module docstring, "Priority preemption")."""
+        if not self._waiting or not self._running:
+            return
+        head = self._waiting[0]
+        if head.num_tokens_to_compute == 0:
+            return
+        if self.adapter_slots is not None and not self.adapter_slots.can_acquire(head.lora_id):
+            return  # it waits for an adapter slot, which preemption is not for
+        victims = self._victims_for(head)
+        for victim in victims:
+            self._preempt(victim)
+        plan.admit_one = bool(victims)
+
+    def _victims_for(self, head: Request) -> list[Request]:
+        """The fewest worst-ranked running requests whose preemption lets `head` start now with the pages of its first
+        chunk (at most a whole step's budget), each of a strictly larger priority value and ranked behind it; [] if
+        it fits already, or if they cannot make it fit."""
+        match = self._cached_prefix(head)
+        num_hit = match.num_pages * self.page_size
+        first_chunk = self._chunk_size(head.num_tokens_to_compute - num_hit, self.max_num_batched_tokens)
+        new_pages = self._pages_for(num_hit + first_chunk) - match.num_pages
+        victims: list[Request] = []
+        released: collections.Counter[int] = collections.Counter()  # page -> references the victims drop
+        candidates = reversed(self._running)
+        while (len(self._running) - len(victims) >= self.max_num_seqs
+               or new_pages > self._allocatable_after(released, match)):
+            victim = next(candidates, None)
+            if victim is None or victim.params.priority <= head.params.priority or victim.rank < head.rank:
+                return []
+            victims.append(victim)
+            released.update(victim.page_ids)
+        return victims
+
+    def _allocatable_after(self, released: collections.Counter[int], match: PrefixMatch) -> int:
+        """Pages a request with cached prefix `match` could allocate after `released` (page -> references dropped)
+        went back: the pool's allocatable pages, those the release frees, less the matched ones it would take out."""
+        refcount = self.pool.refcount
+        freed = sum(1 for page, count in released.items() if refcount(page) == count)
+        matched_idle = sum(1 for page in match.page_ids if refcount(page) == released[page])
+        return self.pool.num_allocatable + freed - matched_idle
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         index = 0  # waiting requests before it are passed over: they wait for a LoRA adapter slot
@@ -281,7 +439,12 @@ class Scheduler:
                 continue
             match = self._cached_prefix(request)
             num_hit = match.num_pages * self.page_size
-            num_new = self._chunk_size(request.num_tokens_to_compute - num_hit, plan.token_budget)
+            num_new = self._prefill_chunk(request.num_tokens_to_compute - num_hit, plan.token_budget, plan)
+            if num_new is None:  # the partial-prefill limits pass it over for this step
+                if plan.admit_one:
+                    break  # the running requests preempted for it keep waiting behind it
+                index += 1
+                continue
             new_pages = self._pages_for(num_hit + num_new) - match.num_pages
             if not num_new or new_pages > self.pool.num_allocatable - self.pool.num_evictable(match.page_ids):
                 break
@@ -289,6 +452,8 @@ class Scheduler:
             request.lora_wait_since = None
             self._start_running(request, match, plan)
             self._schedule_chunk(request, num_new, plan)
+            if plan.admit_one:
+                break
 
     def _cached_prefix(self, request: Request) -> PrefixMatch:
         """Cached pages of the request's leading known tokens, leaving at least its last known token to compute."""
@@ -402,13 +567,12 @@ class Scheduler:
         request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
         self._release_pages_after(request, request.num_computed_tokens)
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request) -> None:
         self._running.remove(request)
         self._release_adapter(request)
         self._release_pages(request)
         request.reset_for_recompute()
         bisect.insort(self._waiting, request, key=_RANK)
-        plan.preempted = True
         self._num_preemptions += 1
 
     def _register_full_pages(self, request: Request) -> None:

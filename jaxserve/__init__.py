@@ -8,12 +8,13 @@ Offline use mirrors vLLM::
 """
 
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+           "CompletionOutput", "Logprob", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"]
 
 
 def __getattr__(name: str):

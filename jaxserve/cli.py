@@ -1,5 +1,6 @@
 """The `jaxserve` command: `serve` (the OpenAI-compatible server), `generate` and `run-batch` (offline), `convert`
-(HF safetensors to Orbax), `compile` (the GPU step programs built for a GPU target on any machine, and audited).
+(HF safetensors to Orbax), `compile` (the GPU step programs built for a GPU target on any machine, and audited,
+or any target's kept in a program store for `serve --compiled`).
 
 Bad input ends in one line on stderr and exit code 2, never a traceback.
 """
@@ -19,6 +20,8 @@ from jaxserve.config import FIELD_NAMES, EngineConfig, flag_fields, flag_type, l
 
 DEMO_PROMPT = "The capital of France is"
 TOOL_CALL_PARSERS = ("llama3_json",)  # vLLM's names of the tool-call readers this server has
+# The titles of the flags' groups in `--help` (and in the generated flags pages).
+ENGINE_GROUP, SERVER_GROUP, PROCESS_GROUP_GROUP = "engine", "server", "multi-host"
 
 log = logging.getLogger(__name__)
 
@@ -85,21 +88,31 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """--config and one flag per EngineConfig setting marked as a flag; None means 'keep the preset's value'."""
-    parser.add_argument("--config", type=Path, help="YAML preset from configs/")
+def _add_engine_flags(parser: argparse.ArgumentParser, compiled: bool = True) -> None:
+    """--config and one flag per EngineConfig setting marked as a flag; None means 'keep the preset's value'.
+    `compiled`: --compiled too (compiled_dir), for the commands that start an engine."""
+    # A group of their own: `--help` and the generated flags page (tools/docs_pages.py) list them apart.
+    group = parser.add_argument_group(ENGINE_GROUP, "what to load, the step limits, the KV cache and the fast paths; "
+                                      "each is also a preset key and an LLM(...) keyword")
+    group.add_argument("--config", type=Path, help="YAML preset from configs/")
     for field in flag_fields():
         flag = "--" + field.name.replace("_", "-")
         if flag_type(field.name) is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=field.metadata["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=field.metadata["help"])
         else:
-            parser.add_argument(flag, type=flag_type(field.name), help=field.metadata["help"])
+            group.add_argument(flag, type=flag_type(field.name), help=field.metadata["help"])
+    if compiled:
+        group.add_argument("--compiled", dest="compiled_dir", metavar="DIR",
+                           help="a store of compiled step programs (`jaxserve compile --out DIR`, or any earlier "
+                           "start): those kept there load without tracing, lowering or compiling, the others are "
+                           "compiled and added (default: programs/ in the compilation cache folder; none: off)")
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     from jaxserve.server.config import METRICS_PREFIXES  # a light module: no JAX, no web framework
 
+    parser = parser.add_argument_group(SERVER_GROUP, "HTTP, API keys and quotas, limits, shutdown, LoRA and tools")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     parser.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
@@ -143,6 +156,7 @@ def _add_process_group_flags(parser: argparse.ArgumentParser) -> None:
     """Multi-host: each flag defaults to its JAXSERVE_* environment variable, which a launcher's pod or job spec can
     set from its own (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX; SLURM_NTASKS, SLURM_PROCID)."""
     env = os.environ
+    parser = parser.add_argument_group(PROCESS_GROUP_GROUP, "one model over the devices of several processes")
     parser.add_argument("--coordinator", default=env.get("JAXSERVE_COORDINATOR"), metavar="HOST:PORT",
                         help="process 0's address for jax.distributed; runs one model over the devices of "
                         "--num-processes processes (default: $JAXSERVE_COORDINATOR; none: one process)")
@@ -312,10 +326,16 @@ def _convert(args: argparse.Namespace) -> int:
 def _add_compile_command(commands) -> None:
     compile_ = commands.add_parser(
         "compile", allow_abbrev=False,
-        help="build a preset's GPU step programs for a GPU target without a GPU or weights, and audit them")
-    _add_engine_flags(compile_)
+        help="build a preset's GPU step programs for a GPU target without a GPU or weights, and audit them or keep "
+        "them in a program store (--out) for `serve --compiled`")
+    _add_engine_flags(compile_, compiled=False)
     compile_.add_argument("--target", required=True,
-                          help="h100, h200 (configs/gpu-targets/NAME.pbtxt) or a target description's path")
+                          help="h100, h200 (configs/gpu-targets/NAME.pbtxt), a target description's path, or cpu "
+                          "(this host's CPU; with --out only)")
+    compile_.add_argument("--out", type=Path, metavar="DIR",
+                          help="write every program a start compiles into this program store instead of auditing "
+                          "them; `jaxserve serve --compiled DIR` (same preset and flags, same jax, jaxlib, CUDA "
+                          "plugin and XLA_FLAGS) then starts without compiling")
     compile_.add_argument("--model-shape", help="the model whose programs are built: llama-3.1-8b or llama-3.1-70b "
                           "(default: the one the preset is named after; or --model DIR's config.json)")
     compile_.add_argument("--audit", type=Path, metavar="OUT.json", help="write every program's findings here")
@@ -339,6 +359,8 @@ def _add_compile_command(commands) -> None:
 def _compile(args: argparse.Namespace) -> int:
     from jaxserve.gpu_programs.target import prepare_compile_environment
 
+    if args.out is not None or args.target == "cpu":
+        return _compile_store(args)
     if not args.on_device:
         prepare_compile_environment()  # before JAX starts: the CUDA plugin registers beside the CPU backend
     from jaxserve.gpu_programs.command import CompileRequest, parse_compiler_options, run_compile
@@ -350,6 +372,27 @@ def _compile(args: argparse.Namespace) -> int:
                                compiler_options=parse_compiler_options(args.xla_option), jobs=args.jobs,
                                on_device=args.on_device))
     return 0
+
+
+def _compile_store(args: argparse.Namespace) -> int:
+    """`jaxserve compile --out DIR`: the programs start-up compiles, built and written to a program store."""
+    from jaxserve.gpu_programs.target import prepare_compile_environment
+
+    if args.out is None:
+        raise ConfigError("--target cpu builds a program store: give --out DIR (the audit reads GPU programs)")
+    refused = [flag for flag, given in (("--audit", args.audit), ("--dump-hlo", args.dump_hlo),
+                                        ("--programs", args.programs), ("--xla-option", args.xla_option),
+                                        ("--on-device", args.on_device)) if given]
+    if refused:
+        raise ConfigError(f"--out stores every program as a start compiles it: {', '.join(refused)} audit or change "
+                          "programs (run the audit as its own command)")
+    if args.target != "cpu":
+        prepare_compile_environment()  # before JAX starts: the CUDA plugin registers beside the CPU backend
+    from jaxserve.gpu_programs.store_fill import fill_store
+
+    config = load_config(args.config, {name: getattr(args, name) for name in FIELD_NAMES if hasattr(args, name)})
+    fill = fill_store(config, args.config, args.target, args.out, args.model_shape)
+    return 1 if fill.missing else 0  # a store a start would still compile in is not what was asked for
 
 
 if __name__ == "__main__":

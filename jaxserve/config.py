@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from jaxserve.errors import ConfigError
+from jaxserve.pooler_config import MEAN_POOLING, PoolerConfig
 from jaxserve.speculative_config import SpeculativeConfig
 
 DEFAULT_COMPILATION_CACHE = str(Path.home() / ".cache" / "jaxserve" / "xla")
@@ -45,6 +46,13 @@ SCHEDULING_POLICIES = (FCFS_POLICY, PRIORITY_POLICY)
 # H100-class GPU), and small ones elsewhere, where every compiled step shape costs seconds of start-up.
 GPU_STEP_LIMITS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
 HOST_STEP_LIMITS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}
+# --runner, vLLM's choices: generate text, or pool each prompt's hidden states into an embedding (--convert embed).
+GENERATE_RUNNER, POOLING_RUNNER = "generate", "pooling"
+RUNNERS = ("auto", GENERATE_RUNNER, POOLING_RUNNER)
+# --convert, vLLM's names of the ones this engine has: how a pooling runner adapts a decoder (embed: pooled final
+# hidden states); vLLM's classify and reward conversions are not implemented.
+EMBED_CONVERSION = "embed"
+CONVERSIONS = ("auto", "none", EMBED_CONVERSION)
 
 
 def _setting(default: Any, help: str, *, flag: bool = True) -> Any:
@@ -66,6 +74,19 @@ class EngineConfig:
     quantization: str | None = _setting(None, "quantize the decoder's weights as they load: int8 or fp8 "
                                         "(float8_e4m3fn), one scale per output channel (default: none); a "
                                         "pre-quantized FP8 checkpoint runs in its own format (only fp8 may be given)")
+
+    # What the engine runs (vLLM's flags): text, or one embedding per prompt. Created, runner is generate or pooling.
+    runner: str = _setting("auto", "generate (text), pooling (embeddings: /v1/embeddings and LLM.embed) or auto "
+                           "(pooling with --convert embed, else generate)")
+    convert: str = _setting("auto", "how the pooling runner adapts the decoder: embed (its final hidden states "
+                            "pooled into one embedding per prompt) or auto (embed under --runner pooling); none "
+                            "leaves the model generating")
+    # str (the flag's JSON) or dict (LLM(...)) on the way in, a PoolerConfig once created; LLM resolves it against
+    # the checkpoint (with_pooler), after which every field is set.
+    pooler_config: str | dict | PoolerConfig | None = _setting(
+        None, "the pooling runner's pooler, as vLLM's JSON: {\"pooling_type\": \"LAST\" or \"MEAN\", "
+        "\"normalize\": true} (default: the checkpoint's sentence-transformers modules.json, else LAST, normalized; "
+        "MEAN turns prefix caching off)")
 
     # Limits: they fix the compiled step shapes.
     max_model_len: int | None = _setting(None, "longest prompt + output of one sequence (default: the model's "
@@ -150,15 +171,22 @@ class EngineConfig:
     # Start-up and guards.
     compilation_cache_dir: str | None = _setting(DEFAULT_COMPILATION_CACHE, "JAX's persistent compilation cache; "
                                                  "None turns it off", flag=False)
+    compiled_dir: str | None = _setting(None, "a store of compiled step programs (filled by `jaxserve compile --out` "
+                                        "or by any start): programs kept there for this model, these settings and "
+                                        "this JAX and device load whole, without tracing, lowering or compiling, and "
+                                        "those compiled are added (default: programs/ in compilation_cache_dir, "
+                                        "where only programs XLA compiled, not found in that cache, are added; "
+                                        "'none' turns it off; flag: --compiled)", flag=False)
     raise_on_compile: bool = _setting(True, "a compile after warm-up raises; False logs it", flag=False)
     static_batching: bool = _setting(False, "benchmark baseline: no request joins until the running batch has "
                                      "finished", flag=False)
 
     def __post_init__(self):
-        for name in ("model", "tokenizer", "compilation_cache_dir"):
+        for name in ("model", "tokenizer", "compilation_cache_dir", "compiled_dir"):
             if isinstance(getattr(self, name), Path):  # folders may come as paths; the config keeps text
                 object.__setattr__(self, name, str(getattr(self, name)))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name), _HINTS[field.name])
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
@@ -200,6 +228,7 @@ class EngineConfig:
         self._check_gemm_backend()
         self._check_chunking()
         self._check_partial_prefills()
+        self._resolve_runner()
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -234,6 +263,22 @@ class EngineConfig:
         """The config of an engine whose pool holds `num_kv_pages` pages (sized from memory when none was set)."""
         return dataclasses.replace(self, num_kv_pages=num_kv_pages)
 
+    @property
+    def pooling(self) -> bool:
+        """The engine pools prompts into embeddings (--runner pooling) rather than generating text."""
+        return self.runner == POOLING_RUNNER
+
+    def with_pooler(self, checkpoint: PoolerConfig | None) -> EngineConfig:
+        """A pooling engine's config with its pooler resolved: pooler_config's fields, else the checkpoint's
+        (sentence-transformers files), else LAST, normalized. MEAN pooling turns prefix caching off, as vLLM does: a
+        prompt found in the cache would skip its cached tokens' hidden states, which the mean needs. A generating
+        engine's config is returned as it is."""
+        if not self.pooling:
+            return self
+        pooler = (self.pooler_config or PoolerConfig()).over(checkpoint)
+        return dataclasses.replace(self, pooler_config=pooler, enable_prefix_caching=self.enable_prefix_caching
+                                   and pooler.pooling_type != MEAN_POOLING)
+
     def attention_implementation(self, platform: str) -> str:
         """The attention that runs on JAX's default backend `platform` ("gpu", "cpu", "tpu"): auto means the kernel
         where Triton compiles it (a GPU) and XLA elsewhere, and with pallas_interpret the interpreted kernel
@@ -262,6 +307,28 @@ class EngineConfig:
         if self.attention_backend == XLA_BACKEND and self.pallas_interpret:
             raise ConfigError("pallas_interpret runs the Pallas kernel through Pallas' interpreter, so it does not "
                               "apply to the xla attention backend; choose auto or pallas")
+
+    def _resolve_runner(self) -> None:
+        """Settles runner auto (pooling with convert embed, as vLLM) and refuses what a pooling engine lacks."""
+        for name, choices in (("runner", RUNNERS), ("convert", CONVERSIONS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{_named(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                                  + (" (vLLM's classify and reward conversions are not implemented)"
+                                     if name == "convert" else ""))
+        if self.runner == "auto":
+            object.__setattr__(self, "runner", POOLING_RUNNER if self.convert == EMBED_CONVERSION else GENERATE_RUNNER)
+        if not self.pooling:
+            if self.convert == EMBED_CONVERSION or self.pooler_config is not None:
+                raise ConfigError(f"{_named('convert' if self.convert == EMBED_CONVERSION else 'pooler_config')} "
+                                  f"applies to the pooling runner, but runner is {self.runner}: add --runner pooling")
+            return
+        if self.convert == "none":
+            raise ConfigError(f"{_named('runner')} pooling needs {_named('convert')} embed (or auto): the decoder "
+                              "has no pooler of its own")
+        for name in ("speculative_config", "enable_lora"):
+            if getattr(self, name):
+                raise ConfigError(f"{_named(name)} does not combine with {_named('runner')} pooling: an embedding "
+                                  "request generates nothing and runs on the base model")
 
     def _check_chunking(self) -> None:
         # Without chunking a prompt is computed whole in one step, so the longest one must fit a step's budget.

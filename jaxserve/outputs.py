@@ -1,8 +1,11 @@
-"""Results of generation, shaped like vLLM's `RequestOutput` so evaluation scripts read them unchanged."""
+"""Results of generation and of pooling (embeddings), shaped like vLLM's `RequestOutput`, `PoolingRequestOutput` and
+`EmbeddingRequestOutput` so evaluation scripts read them unchanged."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,3 +58,47 @@ class CompletionDelta:
     # On a continuation's first delta, when prompt_logprobs were asked for: the prompt's entries as in
     # RequestOutput.prompt_logprobs (streamed echo with logprobs starts with them); None otherwise
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingOutput:
+    """A pooling engine's result for one prompt (vLLM's PoolingOutput, its `data` a numpy array here)."""
+
+    data: np.ndarray  # f32[hidden_size]: the pooled final hidden states, normalised where the request asked
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingRequestOutput:
+    """Everything a pooling engine returns for one prompt (vLLM's PoolingRequestOutput)."""
+
+    request_id: str  # caller-visible id
+    outputs: PoolingOutput  # the pooled vector
+    prompt_token_ids: tuple[int, ...]  # the tokens pooled (after truncate_prompt_tokens)
+    finished: bool  # always True: a prompt is pooled whole
+    prompt: str | None = None  # the prompt text, when the prompt was given as text
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingOutput:
+    """One embedding, as vLLM's `LLM.embed` returns it."""
+
+    embedding: list[float]  # the vector, as Python floats
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's EmbeddingRequestOutput): `.outputs.embedding`."""
+
+    request_id: str  # caller-visible id
+    outputs: EmbeddingOutput  # the embedding
+    prompt_token_ids: tuple[int, ...]  # the tokens embedded (after truncate_prompt_tokens)
+    finished: bool  # always True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)

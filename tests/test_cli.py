@@ -44,6 +44,8 @@ def test_generate_on_the_builtin_model():
     (["serve", "--coordinator", "host0", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
     (["serve", "--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
      "process_id must be in [0, 2)"),
+    (["compile", "--target", "cpu"], "give --out DIR"),  # the CPU target builds a program store only
+    (["compile", "--target", "cpu", "--out", "/tmp/store", "--audit", "/tmp/a.json"], "--audit audit or change"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
     result = _jaxserve(*args)

@@ -175,7 +175,7 @@ BAD_REQUESTS = [
     ("GET on completions", "GET", COMPLETIONS, None, 405, None),
     ("GET on chat", "GET", CHAT, None, 405, None),
     ("POST on health", "POST", "/health", {}, 405, None),
-    ("unknown /v1 path", "POST", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("unknown /v1 path", "POST", "/v1/audio/speech", {"input": "x"}, 404, None),
     ("unknown path", "GET", "/nowhere", None, 404, None),
 ]
 

@@ -6,9 +6,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.engine.scheduler_stats import SchedulerStats, SpecDecodeStats
+from jaxserve.engine.startup import StartupStats
 from jaxserve.errors import ConfigError
 from jaxserve.outputs import CompletionDelta
 from jaxserve.server.config import ServerConfig
+from jaxserve.runner.step_programs import ProgramSources
 from jaxserve.server.metrics import ServerMetrics
 from tests.live_server import running_server
 
@@ -57,7 +59,7 @@ VLLM_BUCKETS = {
 # Ours that vLLM lacks: served under the chosen prefix, with vLLM's labels added under vllm
 OURS_ONLY = ["kv_pages_used", "kv_pages_cached", "kv_pages_free", "prefix_cache_hit_rate", "num_engine_steps",
              "num_requests_rejected", "api_key_requests", "api_key_rate_limited", "api_key_prompt_tokens",
-             "api_key_generation_tokens"]
+             "api_key_generation_tokens", "startup_ready_seconds", "startup_programs"]
 
 # The default exposition as it was before the prefix existed: these families, unlabelled but for their own labels
 JAXSERVE_FAMILIES = {
@@ -75,6 +77,7 @@ JAXSERVE_FAMILIES = {
     "jaxserve:num_requests_rejected": "counter", "jaxserve:api_key_requests": "counter",
     "jaxserve:api_key_rate_limited": "counter", "jaxserve:api_key_prompt_tokens": "counter",
     "jaxserve:api_key_generation_tokens": "counter",
+    "jaxserve:startup_ready_seconds": "gauge", "jaxserve:startup_programs": "gauge",
 }
 # Our 1-2.5-5 ladders, written out: TTFT 1 ms .. 100 s, ITL 0.1 ms .. 10 s, E2E 10 ms .. 1000 s
 JAXSERVE_BUCKETS = {
@@ -91,12 +94,14 @@ STATS = SchedulerStats(num_running=2, num_waiting=3, num_pages_used=5, num_pages
                        num_preemptions=1, prefix_queried_tokens=40, prefix_hit_tokens=16, num_steps=9,
                        spec_decode=SpecDecodeStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=7,
                                                    accepted_per_position=[4, 2, 1]))
+STARTUP = StartupStats(programs=6, load_seconds=0.5, lower_seconds=0.0, compile_seconds=0.1, ready_seconds=0.6,
+                       sources=ProgramSources(store=5, cache=0, compiled=1))
 
 
 def exercised_metrics() -> ServerMetrics:
     """Metrics with a sample in every series: a request of two continuations (one ends by length, one is aborted),
     one API key, one admission refusal."""
-    metrics = ServerMetrics(lambda: STATS)
+    metrics = ServerMetrics(lambda: STATS, STARTUP)
     metrics.declare_api_keys(["team-a"])
     metrics.count_rejected("overloaded")
     observer = metrics.request_observer(num_prompt_tokens=11, n=2)

@@ -1,9 +1,10 @@
 """`AsyncEngine`: the engine on a thread of its own, driven from asyncio without polling.
 
 Handlers call `generate()`, an async iterator over one request's deltas and its final output, and leave it early to
-abort the request. Commands (add, abort, ping, LoRA adapter changes, stop) reach the engine thread through a queue:
-the thread blocks on it while it has nothing to run and drains it between steps while it does. Results go back to
-the event loop with one `call_soon_threadsafe` per step, for all requests of the step together.
+abort the request; on a pooling engine (`--runner pooling`, engine/pooling_engine.py), `encode()`, which returns
+one prompt's embedding. Commands (add, abort, ping, LoRA adapter changes, stop) reach the engine thread through a
+queue: the thread blocks on it while it has nothing to run and drains it between steps while it does. Results go
+back to the event loop with one `call_soon_threadsafe` per step, for all requests of the step together.
 
 A thread rather than a process: JAX releases the GIL while the device runs and the step's host work is small, so the
 HTTP handlers and the loop share the interpreter well, and no request or result has to be pickled between processes.
@@ -21,11 +22,14 @@ from collections.abc import AsyncIterator, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.pooling_engine import PoolingEngine
 from jaxserve.engine.scheduler_stats import SchedulerStats
+from jaxserve.engine.startup import StartupStats
 from jaxserve.engine.structured_output import CompiledGrammar, GrammarCompiler
 from jaxserve.errors import EngineDeadError, EngineStepError
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import CompletionDelta, RequestOutput
+from jaxserve.outputs import CompletionDelta, PoolingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,7 +41,7 @@ EngineEvent = CompletionDelta | RequestOutput  # what generate() yields; the Req
 class _Add:
     request_id: str  # unique among live requests
     prompt_token_ids: tuple[int, ...]  # what the model sees
-    params: SamplingParams  # how to sample
+    params: SamplingParams | PoolingParams  # how to sample; PoolingParams: an embedding (a pooling engine)
     prompt: str | None  # prompt text, when the request gave text
     lora_request: LoRARequest | None  # its LoRA adapter; None: the base model
     grammar: CompiledGrammar | None  # params.structured_outputs compiled on the event loop; None without one
@@ -68,7 +72,7 @@ class _Stop:
 class AsyncEngine:
     """Owns the engine thread; every public method runs on the event loop that called `start`."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine | PoolingEngine):
         self.engine = engine
         self.stats: SchedulerStats = engine.stats()  # refreshed by the engine thread after every step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -97,6 +101,11 @@ class AsyncEngine:
     def config(self) -> EngineConfig:
         """The engine's settings (read only: they never change while it serves)."""
         return self.engine.config
+
+    @property
+    def startup_stats(self) -> StartupStats:
+        """Where the engine's start-up time went, and where its programs came from (store, cache, compiled)."""
+        return self.engine.startup_stats
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -152,6 +161,26 @@ class AsyncEngine:
                 yield event
                 if isinstance(event, RequestOutput):
                     return
+        finally:
+            if self._forget_stream(request_id):
+                self._commands.put(_Abort(request_id))
+
+    async def encode(self, request_id: str, prompt_token_ids: Sequence[int], params: PoolingParams,
+                     prompt: str | None = None) -> PoolingRequestOutput:
+        """A pooling engine's embedding of one prompt; cancelling the call aborts the request. Raises as `generate`
+        does."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already live")
+        events: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = events
+        self._idle.clear()
+        self._commands.put(_Add(request_id, tuple(prompt_token_ids), params, prompt, None, None))
+        try:
+            event = await events.get()
+            if isinstance(event, BaseException):
+                raise event
+            return event
         finally:
             if self._forget_stream(request_id):
                 self._commands.put(_Abort(request_id))
@@ -217,9 +246,13 @@ class AsyncEngine:
     def _apply(self, command) -> None:
         if isinstance(command, _Add):
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                        prompt=command.prompt, stream=True, lora_request=command.lora_request,
-                                        load_lora=False, grammar=command.grammar)
+                if isinstance(command.params, PoolingParams):
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            prompt=command.prompt)
+                else:
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            prompt=command.prompt, stream=True, lora_request=command.lora_request,
+                                            load_lora=False, grammar=command.grammar)
             except Exception as e:  # refused (InvalidRequestError) or broken: only this request hears of it
                 self._call_on_loop(self._deliver, [(command.request_id, e)])
         elif isinstance(command, _Abort):
@@ -266,7 +299,7 @@ class AsyncEngine:
             if stream is None:
                 continue  # the caller left; its abort is on the way to the engine thread
             stream.put_nowait(event)
-            if isinstance(event, (RequestOutput, BaseException)):
+            if isinstance(event, (RequestOutput, PoolingRequestOutput, BaseException)):
                 self._forget_stream(request_id)
 
     def _forget_stream(self, request_id: str) -> bool:

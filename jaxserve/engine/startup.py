@@ -4,6 +4,11 @@ Compiling needs only the weights' shapes, dtypes and shardings, which a `ModelPl
 So, given a plan, the weights are read on a thread while the pool is sized and every step program is lowered and
 compiled; the weights are attached and the pool allocated once both are done. Given a `LoadedModel` (weights
 already read), the same happens without the thread.
+
+With a program store (`compiled_dir`, or programs/ in the compilation cache folder; runner/program_store.py) every
+program kept there under its key loads whole instead, and every one compiled is added. A pool sized from memory
+then takes the largest pool size stored that fits, with the workspace measured when it was stored, so that a store
+filled elsewhere (`jaxserve compile --out`) serves without a compile.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from pathlib import Path
 
 import jax
 
@@ -26,19 +32,26 @@ from jaxserve.model.kv_quantization import is_float8, kv_pool_dtype
 from jaxserve.parallel.process_group import smallest_across_processes
 from jaxserve.runner.lockstep import spans_processes
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.program_keys import UnstableKeyError
+from jaxserve.runner.program_store import ProgramStore, StoredPool
+from jaxserve.runner.step_programs import ProgramSources
 
 log = logging.getLogger(__name__)
+PROGRAMS_FOLDER = "programs"  # the program store's folder inside the compilation cache's, when no compiled_dir is set
+NO_STORE = "none"  # compiled_dir that turns the program store off
 
 
 @dataclasses.dataclass(frozen=True)
 class StartupStats:
     """Where start-up time went."""
 
-    programs: int  # step programs compiled (or loaded from the persistent compilation cache)
+    programs: int  # step programs made ready: loaded from the program store, or compiled (or found cached)
     load_seconds: float  # reading the weights, on their own thread beside the compiles; 0 when read beforehand
     lower_seconds: float  # tracing and lowering every program
     compile_seconds: float  # wall time of the parallel compiles
     ready_seconds: float  # from the start of `start_runner` to a runner ready to step
+    sources: ProgramSources = ProgramSources()  # where the programs came from: store, compilation cache, compiled
+    store_seconds: float = 0.0  # reading programs from the program store
 
 
 def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress: bool = True,
@@ -64,9 +77,12 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress:
         loading = loader.submit(_timed_load, model, progress) if planned else None
         pending_bytes = (model.weight_bytes_per_device() if planned else 0) + (
             draft.weight_bytes_per_device() if draft is not None else 0)
-        pages, workspace = _pool_pages(model, config, runner, stats, pending_bytes, draft)
+        store = open_program_store(config, runner)
+        pages, workspace = _pool_pages(model, config, runner, stats, pending_bytes, draft, store)
         config = config.with_pool(pages)
-        runner.warm_up(config.num_kv_pages, progress)
+        runner.warm_up(config.num_kv_pages, progress, store)
+        if store is not None and runner.programs.stats.all_in_store:  # a start may then size its pool to it
+            store.record_pool(StoredPool(config.num_kv_pages, workspace))
         workspaces = runner.programs.compiled_workspaces()
         log.info("%s", workspace_summary(workspaces))
         if stats is not None:  # a pool sized from memory leaves the steps only the workspace it measured
@@ -79,10 +95,11 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress:
     runner.allocate_pool(config.num_kv_pages)
     warmup = runner.programs.stats
     startup = StartupStats(warmup.programs, load_seconds, warmup.lower_seconds, warmup.compile_seconds,
-                           time.perf_counter() - started)
-    log.info("ready in %.1f s: %d step programs (lowered in %.1f s, compiled in %.1f s), weights read in %.1f s",
-             startup.ready_seconds, startup.programs, startup.lower_seconds, startup.compile_seconds,
-             startup.load_seconds)
+                           time.perf_counter() - started, warmup.sources, warmup.store_seconds)
+    # compile_seconds spans the whole warm-up, store reads included: it is not time spent compiling alone.
+    log.info("ready in %.1f s: %d step programs (%s) ready after %.1f s (%.1f s reading the store, %.1f s lowering), "
+             "weights read in %.1f s", startup.ready_seconds, startup.programs, startup.sources.text(),
+             startup.compile_seconds, startup.store_seconds, startup.lower_seconds, startup.load_seconds)
     log.info("%s", serving_summary(model, config))
     return runner, config, startup, draft_runner
 
@@ -91,7 +108,7 @@ def _start_draft(draft: ModelPlan, config: EngineConfig, progress: bool) -> Mode
     """The draft model's runner: programs compiled, weights read, a pool of the target's page count."""
     runner = ModelRunner(draft.config, draft.graphdef, draft.abstract_params, draft.dtype, draft_engine_config(config),
                          draft.mesh)
-    runner.warm_up(config.num_kv_pages, progress)
+    runner.warm_up(config.num_kv_pages, progress, open_program_store(config, runner))
     runner.load_params(draft.load(progress).params)
     runner.allocate_pool(config.num_kv_pages)
     return runner
@@ -158,16 +175,21 @@ def _timed_load(plan: ModelPlan, progress: bool) -> tuple[LoadedModel, float]:
 
 
 def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: ModelRunner, stats: dict | None,
-                pending_weight_bytes: int, draft: ModelPlan | None) -> tuple[int, int]:
+                pending_weight_bytes: int, draft: ModelPlan | None,
+                store: ProgramStore | None) -> tuple[int, int]:
     """The pool's size and the workspace left beside it; sized from device memory, the pool leaves room for the
-    weights (those still loading counted as in use) and for the largest step's activation workspace.
+    weights (those still loading counted as in use) and for the largest step's activation workspace, and takes the
+    largest pool whose programs the store holds if that fits.
 
     In a multi-process group every process takes the smallest count, so all compile the same programs.
     """
     if stats is not None:
         stats = {**stats, "bytes_in_use": stats.get("bytes_in_use", 0) + pending_weight_bytes}
     workspace = 0
-    if stats is not None:
+    stored = [pool for pool in store.stored_pools() if pool.workspace_bytes > 0] if store is not None else []
+    if stats is not None and stored:
+        workspace = stored[0].workspace_bytes  # measured by the start (or `jaxserve compile`) that stored them
+    elif stats is not None:
         log.info("sizing the KV cache: compiling the largest step once to measure its workspace")
         workspace = runner.programs.largest_workspace_bytes()
     pages = resolve_num_pages(model.config, kv_pool_dtype(config.kv_cache_dtype, model.dtype),
@@ -178,6 +200,11 @@ def _pool_pages(model: LoadedModel | ModelPlan, config: EngineConfig, runner: Mo
                               gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=stats,
                               workspace_bytes=workspace, allocator_share=allocator_fraction(),
                               extra_bytes_per_page=_draft_bytes_per_page(draft, config))
+    fitting = [pool.num_pages for pool in stored if pool.num_pages <= pages]
+    if stats is not None and fitting:
+        log.info("KV cache: %d pages, the largest pool the program store holds programs for (memory fits %d)",
+                 fitting[0], pages)
+        pages = fitting[0]
     return smallest_across_processes(pages), workspace
 
 
@@ -186,6 +213,34 @@ def _draft_bytes_per_page(draft: ModelPlan | None, config: EngineConfig) -> int:
         return 0
     devices = draft.mesh.size if draft.mesh is not None else 1
     return bytes_per_page(draft.config, config.block_size, kv_pool_dtype(config.kv_cache_dtype, draft.dtype), devices)
+
+
+def program_store_dir(config: EngineConfig) -> Path | None:
+    """Where compiled programs are kept: `compiled_dir`, else programs/ in the compilation cache's folder; None
+    when neither is set, or compiled_dir is "none"."""
+    if config.compiled_dir == NO_STORE:
+        return None
+    if config.compiled_dir is not None:
+        return Path(config.compiled_dir)
+    return Path(config.compilation_cache_dir) / PROGRAMS_FOLDER if config.compilation_cache_dir is not None else None
+
+
+def open_program_store(config: EngineConfig, runner: ModelRunner) -> ProgramStore | None:
+    """The store of the runner's programs (runner/program_store.py), keyed by its scope; None without a folder, and
+    for runners whose programs are not stored yet (pooling, a mesh over several processes)."""
+    folder = program_store_dir(config)
+    if folder is None:
+        return None
+    if config.pooling or spans_processes(runner.mesh):
+        log.info("the program store is not used by %s yet: compiling",
+                 "the pooling runner" if config.pooling else "a mesh over several processes")
+        return None
+    try:
+        scope = runner.store_scope()
+    except UnstableKeyError as error:
+        log.warning("the program store is not used: %s", error)
+        return None
+    return ProgramStore(folder, scope, list(runner.mesh.devices.flat), compile_afresh=config.compiled_dir is not None)
 
 
 def enable_compilation_cache(config: EngineConfig) -> None:

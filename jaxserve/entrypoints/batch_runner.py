@@ -24,7 +24,7 @@ from jaxserve.openai.requests import ChatCompletionRequestBody, CompletionReques
 from jaxserve.openai.schema import parse_body
 from jaxserve.openai.request_limits import check_request_limits
 from jaxserve.openai.tool_calls import ToolCalling, tool_calling_from_body
-from jaxserve.errors import InvalidRequestError, JaxserveError, ModelNotFoundError
+from jaxserve.errors import ConfigError, InvalidRequestError, JaxserveError, ModelNotFoundError
 from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -70,6 +70,9 @@ class BatchItem:
 def run_batch(llm: LLM, input_path: Path, output_path: Path, models: BatchModels | str) -> tuple[int, int]:
     """Runs every request of input_path and writes output_path; returns (succeeded, failed). Every check the server
     makes runs per line, and a line the engine refuses fails alone: each input line gets its result line."""
+    if llm.config.pooling:
+        raise ConfigError("run-batch runs completions and chat lines, which a pooling engine (--runner pooling) "
+                          "does not generate; /v1/embeddings lines are not implemented yet")
     models = BatchModels((models,)) if isinstance(models, str) else models
     items = [_parse_line(llm, number, line, models) for number, line in _lines(input_path)]
     valid = [item for item in items if item.error is None]

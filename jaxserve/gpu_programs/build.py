@@ -2,7 +2,8 @@
 dtypes and shardings; nothing read or allocated) over the target's compile-only devices, a compile-only
 `ModelRunner`, and every program its warm-up compiles, compiled one by one with what XLA made of each kept.
 
-Building is apart from auditing (audit.py): the same compiled programs can be audited, or kept.
+Building is apart from auditing (audit.py): the same compiled programs can be audited, or kept in a program store
+(store_fill.py), for which the engine may also be built for this host's CPU (no target).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_programs import ProgramLowering
 
 GPU_PLATFORM = "gpu"  # what JAX calls the platform of CUDA devices, which sets the engine's GPU defaults
+CPU_PLATFORM = "cpu"
+# A pool sized from a target's memory for a program store leaves this share of the device aside, so that it fits
+# the real device, whose allocator reports a little less than the description (a start takes a stored pool size only
+# where it fits: engine/startup.py).
+STORED_POOL_MARGIN_SHARE = 0.01
 # The step programs' leading arguments, as ModelRunner lowers them: the weights, then the pool.
 _WEIGHTS_POSITION, _POOL_POSITION = 0, 1
 
@@ -49,9 +55,10 @@ class AbstractEngine:
     model_name: str  # e.g. "llama-3.1-8b"
     model_config: LlamaConfig  # as it runs (KV heads repeated up to the tensor-parallel size)
     config: EngineConfig  # step limits, max_model_len and the pool's size filled in as start-up would
-    target: GpuTarget
+    target: GpuTarget | None  # None: this host's CPU
     dtype: np.dtype  # of the weights and activations
     context_tokens: int  # each sequence's context the programs' expected traffic assumes (KV read per step)
+    workspace_bytes: int = 0  # the largest step's workspace, measured for a memory-sized pool (for_store); else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,28 +75,43 @@ class CompiledProgram:
     compile_seconds: float  # XLA compiling it
 
 
-def build_engine(model_name: str, hf_config: dict, config: EngineConfig, target: GpuTarget,
-                 context_tokens: int = 1024, on_device: bool = False) -> AbstractEngine:
+def build_engine(model_name: str, hf_config: dict, config: EngineConfig, target: GpuTarget | None,
+                 context_tokens: int = 1024, on_device: bool = False, for_store: bool = False) -> AbstractEngine:
     """The engine `config` describes (preset and flags) for the model of `hf_config` (config.json's contents), on
-    `config.tensor_parallel_size` devices of `target`, with abstract weights in `config.quantization`'s format.
-    `on_device`: on this host's own GPUs instead (XLA then autotunes on them), the pool still sized from
-    `target`'s memory, so that both builds compile the same programs."""
+    `config.tensor_parallel_size` devices of `target` (None: of this host's CPU), with abstract weights in
+    `config.quantization`'s format. `on_device`: on this host's own GPUs instead (XLA then autotunes on them), the
+    pool still sized from `target`'s memory, so that both builds compile the same programs. `for_store`: a pool
+    sized from the target's memory is sized as start-up sizes it (the largest step's workspace measured first), less
+    STORED_POOL_MARGIN_SHARE."""
     check_speculation(config)
     if config.speculative_config is not None and config.speculative_config.model is not None:
         raise ConfigError("the GPU program audit builds the target model's programs only; a draft model's are not "
                           "built yet (use the ngram method, or leave speculation out)")
     stored = LlamaConfig.from_hf_dict(hf_config)
-    config = config.with_platform_defaults(GPU_PLATFORM).with_model_limit(stored.max_position_embeddings)
-    devices = _local_gpus(config.tensor_parallel_size) if on_device else target_devices(
-        target, config.tensor_parallel_size)
+    platform = GPU_PLATFORM if target is not None else CPU_PLATFORM
+    config = config.with_platform_defaults(platform).with_model_limit(stored.max_position_embeddings)
+    devices = _devices(target, config.tensor_parallel_size, on_device)
     layout = plan_tensor_parallel(stored, config.tensor_parallel_size, devices)
-    dtype = resolve_dtype(config.dtype, stored.checkpoint_dtype, GPU_PLATFORM)
+    dtype = resolve_dtype(config.dtype, stored.checkpoint_dtype, platform)
     placed = abstract_params(layout.model_config, dtype, layout.param_sharding, config.quantization)
     params = fill_params(placed, placed.specs)
-    config = config.with_pool(_pool_pages(layout.model_config, config, dtype, placed.specs.values(), target))
     runner = ModelRunner(layout.model_config, placed.graphdef, params, dtype, config, layout.mesh, compile_only=True)
+    memory_sized = target is not None and config.num_kv_pages is None and config.kv_cache_memory_gb is None
+    workspace = runner.programs.largest_workspace_bytes() if for_store and memory_sized else 0
+    config = config.with_pool(_pool_pages(layout.model_config, config, dtype, placed.specs.values(), target,
+                                          workspace, STORED_POOL_MARGIN_SHARE if for_store else 0.0))
     return AbstractEngine(runner, model_name, layout.model_config, config, target, dtype,
-                          min(context_tokens, config.require("max_model_len")))
+                          min(context_tokens, config.require("max_model_len")), workspace)
+
+
+def _devices(target: GpuTarget | None, count: int, on_device: bool) -> list:
+    if target is None:
+        cpus = jax.devices(CPU_PLATFORM)
+        if len(cpus) < count:
+            raise ConfigError(f"building for this host's CPU over {count} devices needs as many; JAX sees {len(cpus)} "
+                              "(XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        return cpus[:count]
+    return _local_gpus(count) if on_device else target_devices(target, count)
 
 
 def _local_gpus(count: int) -> list:
@@ -99,17 +121,20 @@ def _local_gpus(count: int) -> list:
     return gpus[:count]
 
 
-def _pool_pages(model: LlamaConfig, config: EngineConfig, dtype, specs, target: GpuTarget) -> int:
-    """The pool start-up would make on the target: sized from its memory (less the weight shards), unless the
-    config fixes it. The largest step's workspace is not measured first, so the pool is that much larger than a
-    real start's; a program's code does not depend on the pool's size."""
+def _pool_pages(model: LlamaConfig, config: EngineConfig, dtype, specs, target: GpuTarget | None,
+                workspace_bytes: int, margin_share: float) -> int:
+    """The pool start-up would make on the target: sized from its memory (less the weight shards, the workspace
+    given and `margin_share` of the device), unless the config fixes it; on the CPU (no target), the CPU's rule.
+    Without a workspace measured, the pool is that much larger than a real start's; a program's code does not
+    depend on the pool's size."""
     weights = max(sum(_shard_bytes(spec) for spec in specs), 1)
+    memory = (None if target is None else
+              {"bytes_limit": target.memory_bytes, "bytes_in_use": weights + int(margin_share * target.memory_bytes)})
     return resolve_num_pages(model, kv_pool_dtype(config.kv_cache_dtype, dtype), page_size=config.block_size,
                              max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              num_kv_pages=config.num_kv_pages, kv_cache_memory_gb=config.kv_cache_memory_gb,
-                             gpu_memory_utilization=config.gpu_memory_utilization,
-                             memory_stats={"bytes_limit": target.memory_bytes, "bytes_in_use": weights},
-                             tensor_parallel_size=config.tensor_parallel_size)
+                             gpu_memory_utilization=config.gpu_memory_utilization, memory_stats=memory,
+                             workspace_bytes=workspace_bytes, tensor_parallel_size=config.tensor_parallel_size)
 
 
 def _shard_bytes(spec: jax.ShapeDtypeStruct) -> int:

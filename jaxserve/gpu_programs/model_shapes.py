@@ -3,7 +3,8 @@ which one a preset serves.
 
 The GPU presets leave `model` unset (the weights' folder is given when serving), so the audit names the shapes
 instead: by `--model-shape`, by a model folder's config.json (`--model DIR`, weights never read), or from the
-preset's file name (configs/llama-3.1-8b-h100.yaml serves llama-3.1-8b).
+preset's file name (configs/llama-3.1-8b-h100.yaml serves llama-3.1-8b, configs/tiny-cpu.yaml the
+built-in tiny model).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ LLAMA_31_8B = {
 LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                 "num_attention_heads": 64}
 
-MODEL_SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B}
+# The built-in tiny random model's (jaxserve/builtin), which configs/tiny-cpu.yaml serves.
+TINY = read_config_json(Path(__file__).resolve().parents[1] / "builtin" / "config.json")
+
+MODEL_SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "tiny": TINY}
 
 
 def model_shape(name: str | None, preset: Path | None, model_dir: str | None = None) -> tuple[str, dict]:

@@ -1,6 +1,7 @@
-"""The README's table of OpenAI request fields, from the declared schemas (requests.py, responses_api_requests.py):
-each field honoured or refused, and why. tests/test_openai_fields.py checks the README holds exactly this; print it
-with `.venv/bin/python -m jaxserve.openai.field_table`.
+"""The table of OpenAI request fields, from the declared schemas (requests.py, responses_api_requests.py,
+embeddings_requests.py): each field honoured or refused, and why. docs/reference/openai-fields.md is this table
+(written by `python -m tools.docs_pages`, whose --check tests/test_docs.py runs); print it with
+`.venv/bin/python -m jaxserve.openai.field_table`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 
 from pydantic import BaseModel
 
+from jaxserve.openai.embeddings_requests import EmbeddingRequestBody
 from jaxserve.openai.requests import ChatCompletionRequestBody, ChatMessage, CompletionRequestBody
 from jaxserve.openai.responses_api_requests import ResponsesFunctionTool, ResponsesMessageItem, ResponsesRequestBody
 from jaxserve.openai.schema import refusal_of
@@ -38,7 +40,8 @@ def markdown() -> str:
               ("a chat message (`messages[i]`)", field_status(ChatMessage)),
               ("`/v1/responses`", field_status(ResponsesRequestBody)),
               ("a message item of the input (`input[i]`)", field_status(ResponsesMessageItem)),
-              ("a function tool (`tools[i]` of `/v1/responses`)", field_status(ResponsesFunctionTool))]
+              ("a function tool (`tools[i]` of `/v1/responses`)", field_status(ResponsesFunctionTool)),
+              ("`/v1/embeddings` (`--runner pooling`)", field_status(EmbeddingRequestBody))]
     return "\n\n".join("\n".join([f"| field | {title} |", "|---|---|", *(f"| `{n}` | {s} |" for n, s in rows.items())])
                        for title, rows in tables)
 

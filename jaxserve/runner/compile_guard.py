@@ -14,8 +14,11 @@ import threading
 import jax
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Fires, in the compiling thread, when JAX's persistent compilation cache hands back a program (inside a compile
+# event: a cache hit still counts as a compile above, since the program was traced, lowered and looked up).
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _log = logging.getLogger(__name__)
-_watching = threading.local()  # .guard: the CompileGuard watching this thread, if any
+_watching = threading.local()  # .guard: the CompileGuard watching this thread; .counts: its CompileCounts, if any
 _listener_lock = threading.Lock()
 _listener_registered = False
 
@@ -59,15 +62,52 @@ class CompileGuard:
         _log.warning(message)
 
 
+class CompileCounts:
+    """One thread's compile events within `counting_compiles()`."""
+
+    def __init__(self):
+        self.compiles = 0  # programs XLA compiled, or the persistent cache handed back (a compile event each)
+        self.cache_hits = 0  # of those, the ones JAX's persistent compilation cache handed back
+
+    @property
+    def compiled(self) -> bool:
+        """XLA compiled the program: neither the persistent cache nor JAX's in-memory one (no event) handed it back."""
+        return self.compiles > 0 and self.cache_hits == 0
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Counts this thread's compile events for the duration of the block (yields the CompileCounts)."""
+    _register_listener()
+    counts, outer = CompileCounts(), getattr(_watching, "counts", None)
+    _watching.counts = counts
+    try:
+        yield counts
+    finally:
+        _watching.counts = outer
+
+
 def _register_listener() -> None:
     global _listener_registered
     with _listener_lock:
         if not _listener_registered:
             jax.monitoring.register_event_duration_secs_listener(_on_event)
+            jax.monitoring.register_event_listener(_on_plain_event)
             _listener_registered = True
 
 
 def _on_event(event: str, duration_secs: float, **_) -> None:
+    if event != COMPILE_EVENT:
+        return
+    counts = getattr(_watching, "counts", None)
+    if counts is not None:
+        counts.compiles += 1
     guard = getattr(_watching, "guard", None)
-    if event == COMPILE_EVENT and guard is not None:
+    if guard is not None:
         guard.on_compile(duration_secs)
+
+
+def _on_plain_event(event: str, **_) -> None:
+    counts = getattr(_watching, "counts", None)
+    if event == CACHE_HIT_EVENT and counts is not None:
+        counts.cache_hits += 1

@@ -20,6 +20,9 @@ and the sampler of its row count (runner/step.py), dispatched by `start` and `fi
 reads the previous step back and fills the grammar masks of structured output while the forward pass runs. Other
 variants run as one program, dispatched by `finish`. The token masks (i32[S, ceil(vocab / 32)]) are a program input
 of their own (runner/token_masks.py), so a step without structured output sends none.
+
+A pooling engine's runner (`--runner pooling`) compiles pooling programs instead (runner/pooling_programs.py): its
+steps, dispatched by `run_pooling`, return each prompt chunk's pooled hidden states rather than a sample.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.compile_options import step_compiler_options
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.lora_slots import DeviceLoraSlots
+from jaxserve.runner.pooling_programs import PoolingPrograms
+from jaxserve.runner.pooling_step import PendingPooling
+from jaxserve.runner.program_keys import StoreScope
+from jaxserve.runner.program_store import ProgramStore
 from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult
 from jaxserve.runner.step_inputs import StepInputBuilder
 from jaxserve.runner.step_programs import AbstractArguments, StepPrograms, packed_tree, splits
@@ -98,6 +105,7 @@ class ModelRunner:
                  compile_only: bool = False):
         self.config = config
         self.model_config = model_config
+        self.graphdef = graphdef  # the model's structure and static attributes; its weights are `params`
         self.params = params  # abstract until load_params, where given so
         self._abstract_params = jax.tree.map(_abstract, params)
         self.dtype = dtype  # of the weights and activations
@@ -134,17 +142,26 @@ class ModelRunner:
             last_tokens=_abstract(self._last_tokens), replicated=self._replicated, logits=logits_shardings,
             lora=jax.tree.map(_abstract, self.lora.stack) if self.lora is not None else None,
             mask_width=self._masks.width)
-        # The compiled programs of every bucket (compiled by warm_up) and their transfer buffers' layouts
-        self.programs = StepPrograms(graphdef, arguments, config, model_config.vocab_size, self.buckets, self.inputs,
-                                     step_compiler_options(self.mesh.devices.flat[0].platform, config.gemm_backend,
-                                                           _has_quantized_weights(params)),
-                                     self.guard)
+        # The compiled programs of every bucket (compiled by warm_up) and their transfer buffers' layouts: a
+        # pooling engine's (--runner pooling) pool hidden states instead of sampling (run_pooling)
+        step_options = step_compiler_options(self.mesh.devices.flat[0].platform, config.gemm_backend,
+                                             _has_quantized_weights(params))
+        self.programs = (PoolingPrograms(graphdef, arguments, config, self.buckets, step_options, self.guard)
+                         if config.pooling else
+                         StepPrograms(graphdef, arguments, config, model_config.vocab_size, self.buckets, self.inputs,
+                                      step_options, self.guard))
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
         # The per-step broadcast when the mesh spans processes; None on one process.
         self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_message) if spans_processes(self.mesh)
                          else None)
         if self._channel is not None and self.lora is not None:
             raise ConfigError("LoRA adapters (enable_lora) do not run on a mesh over several processes yet")
+        if self._channel is not None and config.pooling:
+            raise ConfigError("the pooling runner (--runner pooling) does not run on a mesh over several processes yet")
+
+    def store_scope(self) -> StoreScope:
+        """What every program of this runner shares in a program store's keys (runner/program_keys.py)."""
+        return StoreScope.of(self.model_config, self.graphdef, self.mesh)
 
     def write_lora_slot(self, slot: int, weights: SlotWeights) -> None:
         """Puts one adapter (or an empty slot's zeros) into `slot` for the steps dispatched from now on; a step
@@ -161,10 +178,14 @@ class ModelRunner:
         """The zeroed KV pool of `num_pages` pages (the null page included) that every step donates and gets back."""
         self.pool = self._fresh_pool(num_pages)
 
-    def warm_up(self, num_pages: int, progress: bool = True) -> None:
-        """Compiles every program ahead of time for a pool of `num_pages` pages (StepPrograms.compile_all), then arms
-        the guard: no compile may follow. Needs neither the weights nor the pool."""
-        self.programs.compile_all(num_pages, progress)
+    def warm_up(self, num_pages: int, progress: bool = True, store: ProgramStore | None = None) -> None:
+        """Compiles every program ahead of time for a pool of `num_pages` pages (StepPrograms.compile_all), or loads
+        it from `store` (a ProgramStore of `store_scope()`), then arms the guard: no compile may follow. Needs
+        neither the weights nor the pool."""
+        if store is not None:
+            self.programs.compile_all(num_pages, progress, store)
+        else:
+            self.programs.compile_all(num_pages, progress)
         if self.lora is not None:
             self.lora.compile_writer(self.guard)
         if self._channel is not None:
@@ -207,6 +228,18 @@ class ModelRunner:
         self.inputs.record_samples(chunks)
         return PendingStep(result, len(chunks), prompt_spans(chunks) if bucket.prompt_logits else (),
                            draft_rows=[row for row, c in enumerate(chunks) if c.num_draft_tokens])
+
+    def run_pooling(self, schedule: SchedulerOutput) -> PendingPooling:
+        """A pooling engine's step: dispatches the bucket's pooling program on the scheduled prompt chunks and
+        returns without waiting; the PendingPooling reads back each chunk's pooled vector."""
+        with self.guard.watch():
+            with jax.profiler.TraceAnnotation("prepare"):
+                bucket, host_arrays = self.programs.prepare(schedule.sequences, schedule.num_batched_tokens)
+                packed = self._to_devices(self.programs.layout(bucket).pack(host_arrays))
+            with jax.profiler.TraceAnnotation("pool"):
+                pooled, self.pool = self.programs.step(bucket)(self.params, self.pool, packed)
+            self.bucket_counts[bucket] += 1
+        return PendingPooling(pooled, len(schedule.sequences))
 
     def replace_lost_pool(self) -> None:
         """After a failed step: a pool whose buffers the failed program consumed (donation) is replaced by zeros.

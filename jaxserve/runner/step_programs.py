@@ -8,7 +8,9 @@ inputs alone, so compiling needs neither the weights nor the pool and can run wh
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import os
@@ -24,8 +26,10 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.runner.buckets import BucketSet, StepBucket
-from jaxserve.runner.compile_guard import CompileGuard
+from jaxserve.runner.compile_guard import CompileGuard, counting_compiles
 from jaxserve.runner.packed_inputs import PackedLayout
+from jaxserve.runner.program_keys import ProgramCall, UnstableKeyError, program_key
+from jaxserve.runner.program_store import ProgramStore, compiling_afresh
 from jaxserve.runner.step import (LogitsShardings, StepArrays, run_packed_forward, run_packed_sampling,
                                   run_packed_step)
 from jaxserve.runner.step_inputs import StepInputBuilder
@@ -39,15 +43,48 @@ class ProgramLowering:
     sampler: bool  # the plain steps' sampler of bucket.num_seqs rows, rather than the bucket's step program
     lower: Callable[[], jax.stages.Lowered]  # traces and lowers it; needs neither the weights nor the pool
     compiler_options: dict  # XLA options it compiles with (runner/compile_options.py); {}: XLA's defaults
+    # Its jitted function and abstract arguments, whose signature keys it in a ProgramStore (nothing traced);
+    # None: it is never stored, always compiled
+    call: Callable[[], ProgramCall] | None = None
+
+    @property
+    def stored_name(self) -> str:
+        """Its name in a program store: "step-T512-S64-penalties", "sampler-T8-S8"."""
+        bucket = self.bucket
+        flags = [flag for flag in ("prompt_logits", "penalties", "drafts") if getattr(bucket, flag)]
+        return "-".join(["sampler" if self.sampler else "step", f"T{bucket.num_tokens}", f"S{bucket.num_seqs}", *flags])
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSources:
+    """Where each program of a warm-up came from."""
+
+    store: int = 0  # loaded whole from the program store (runner/program_store.py): not traced, lowered or compiled
+    cache: int = 0  # lowered, then handed back by JAX's persistent compilation cache (or its in-memory one)
+    compiled: int = 0  # lowered and compiled by XLA
+
+    def text(self) -> str:
+        """"40 from the store, 10 from the compilation cache, 5 compiled" (the counts that are not 0)."""
+        parts = [(self.store, "from the store"), (self.cache, "from the compilation cache"),
+                 (self.compiled, "compiled")]
+        return ", ".join(f"{count} {what}" for count, what in parts if count) or "none"
 
 
 @dataclasses.dataclass(frozen=True)
 class WarmupStats:
     """What compiling the step programs cost at start-up."""
 
-    programs: int  # step and sampling programs compiled (or loaded from the persistent compilation cache)
+    programs: int  # step and sampling programs made ready: loaded from the store, or compiled (or found cached)
     lower_seconds: float  # tracing and lowering all of them, in this thread
     compile_seconds: float  # wall time from the first compile started to the last one done (they run in parallel)
+    sources: ProgramSources = ProgramSources()  # where they came from
+    store_seconds: float = 0.0  # reading programs from the store, in this thread
+    stored: int = 0  # of those compiled, the ones written to the store
+
+    @property
+    def all_in_store(self) -> bool:
+        """Every program is now in the store: loaded from it, or compiled and written to it."""
+        return self.sources.store + self.stored == self.programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,38 +146,22 @@ class StepPrograms:
         programs are checked against."""
         return self._step(*args, **kwargs)
 
-    def compile_all(self, num_pages: int, progress: bool = True) -> None:
-        """Compiles every program for a pool of `num_pages` pages.
+    def compile_all(self, num_pages: int, progress: bool = True, store: ProgramStore | None = None) -> None:
+        """Compiles every program for a pool of `num_pages` pages, or loads it from `store` where it is kept there.
 
         Each program is lowered here, then compiled on a thread pool (XLA compiles release the GIL), one per core,
         while the next ones lower. Two bars count programs lowered and compiled, each to its total.
         """
-        programs = self.lowerings(num_pages)
-        started = time.perf_counter()
-        lower_seconds = 0.0
-        with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
-              _program_bar("lower", len(programs), progress) as lowered_bar,
-              _program_bar("compile", len(programs), progress) as compiled_bar):
-            compiling = {}
-            for program in programs:
-                lower_started = time.perf_counter()
-                with self._guard.watch():
-                    lowered = program.lower()
-                lower_seconds += time.perf_counter() - lower_started
-                lowered_bar.update()
-                compiling[workers.submit(self._compile_watched, lowered, program.compiler_options)] = program
-            for done in concurrent.futures.as_completed(compiling):
-                self._keep(compiling[done], done.result())
-                compiled_bar.update()
-        self.stats = WarmupStats(len(programs), lower_seconds, time.perf_counter() - started)
+        self.stats = compile_lowerings(self.lowerings(num_pages), self._guard, self._keep, progress, store)
 
     def lowerings(self, num_pages: int) -> list[ProgramLowering]:
         """Every program `compile_all` compiles for a pool of `num_pages` pages, not yet lowered: each bucket's
         program (a plain bucket's forward), then a sampler per row count of the plain buckets."""
         return ([ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages),
-                                 self._step_options)
+                                 self._step_options, functools.partial(self._call, bucket, num_pages))
                  for bucket in self._buckets.all_buckets()]
-                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows), {})
+                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows), {},
+                                   functools.partial(self._sampling_call, rows))
                    for rows in self._sampling_row_counts()])
 
     @property
@@ -169,12 +190,12 @@ class StepPrograms:
         weights and pool at the pool's real size, which the sizing's two-page measurement stands for."""
         programs = {**{f"step {bucket}": program for bucket, program in self._programs.items()},
                     **{f"sampler of {rows} rows": program for rows, program in self._samplers.items()}}
-        return {name: _temp_bytes(program) for name, program in programs.items()}
+        return {name: temp_bytes(program) for name, program in programs.items()}
 
     def workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
         """Temporary memory of the bucket's program (a plain bucket's forward) against a pool of `num_pages`."""
         with self._guard.watch():
-            return _temp_bytes(self._lower(bucket, num_pages).compile(compiler_options=self._step_options or None))
+            return temp_bytes(self._lower(bucket, num_pages).compile(compiler_options=self._step_options or None))
 
     def layout(self, bucket: StepBucket) -> PackedLayout:
         """The transfer buffer of the bucket's program, or of a plain bucket's two programs."""
@@ -190,23 +211,34 @@ class StepPrograms:
 
     def _lower(self, bucket: StepBucket, num_pages: int) -> jax.stages.Lowered:
         """The bucket's one program, or a plain bucket's forward program."""
+        return self._call(bucket, num_pages).lower()
+
+    def _call(self, bucket: StepBucket, num_pages: int) -> ProgramCall:
+        """What the bucket's program (a plain bucket's forward) is lowered from."""
         arguments, layout = self._arguments, self.layout(bucket)
         packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=arguments.replicated)
         pool = arguments.pool(num_pages)
         if splits(bucket):
-            return self._forward.lower(arguments.params, pool, arguments.last_tokens, packed, arguments.lora,
-                                       layout=layout, sampling_words=self._sampling_layout(bucket.num_seqs).size)
-        return self._step.lower(arguments.params, pool, arguments.last_tokens, packed,
-                                self._abstract_allowed(bucket.num_seqs), arguments.lora, layout=layout,
-                                num_top_logprobs=self._config.max_logprobs)
+            return ProgramCall(self._forward, "run_packed_forward",
+                               (arguments.params, pool, arguments.last_tokens, packed, arguments.lora),
+                               dict(layout=layout, sampling_words=self._sampling_layout(bucket.num_seqs).size))
+        return ProgramCall(self._step, "run_packed_step",
+                           (arguments.params, pool, arguments.last_tokens, packed,
+                            self._abstract_allowed(bucket.num_seqs), arguments.lora),
+                           dict(layout=layout, num_top_logprobs=self._config.max_logprobs))
 
     def _lower_sampling(self, num_rows: int) -> jax.stages.Lowered:
         """The sampler of plain steps of `num_rows` rows."""
+        return self._sampling_call(num_rows).lower()
+
+    def _sampling_call(self, num_rows: int) -> ProgramCall:
+        """What the sampler of plain steps of `num_rows` rows is lowered from."""
         replicated, layout = self._arguments.replicated, self._sampling_layout(num_rows)
         logits = jax.ShapeDtypeStruct((num_rows, self._vocab_size), np.float32, sharding=replicated)
         packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=replicated)
-        return self._sampling.lower(logits, packed, self._abstract_allowed(num_rows), layout=layout,
-                                    num_top_logprobs=self._config.max_logprobs, max_rows=self._buckets.max_rows)
+        return ProgramCall(self._sampling, "run_packed_sampling", (logits, packed, self._abstract_allowed(num_rows)),
+                           dict(layout=layout, num_top_logprobs=self._config.max_logprobs,
+                                max_rows=self._buckets.max_rows))
 
     def _abstract_allowed(self, num_rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((num_rows, self._arguments.mask_width), np.int32,
@@ -222,9 +254,74 @@ class StepPrograms:
             self._sampling_layouts[num_rows] = PackedLayout.of(padding.sampling)
         return self._sampling_layouts[num_rows]
 
-    def _compile_watched(self, lowered: jax.stages.Lowered, compiler_options: dict) -> jax.stages.Compiled:
-        with self._guard.watch():
-            return lowered.compile(compiler_options=compiler_options or None)
+
+def compile_lowerings(programs: list[ProgramLowering], guard: CompileGuard,
+                      keep: Callable[[ProgramLowering, jax.stages.Compiled], None], progress: bool,
+                      store: ProgramStore | None = None) -> WarmupStats:
+    """Lowers each program here and compiles it on a thread pool (XLA compiles release the GIL), one per core, while
+    the next ones lower; `keep` receives each compiled program. With a `store`, a program kept there is loaded
+    instead (not traced, lowered or compiled), and each one XLA compiled is written to it (the persistent cache off
+    where the store asks to be filled: ProgramStore.compile_afresh). Two bars count programs lowered and ready, the
+    second with where they came from (store, compilation cache, compiled)."""
+    started = time.perf_counter()
+    lower_seconds = store_seconds = 0.0
+    sources = collections.Counter()
+    saved = 0
+
+    def compile_watched(lowered: jax.stages.Lowered, compiler_options: dict) -> tuple[jax.stages.Compiled, str]:
+        with guard.watch(), counting_compiles() as counts:
+            compiled = lowered.compile(compiler_options=compiler_options or None)
+        return compiled, "compiled" if counts.compiled else "cache"
+
+    def ready(program: ProgramLowering, compiled: jax.stages.Compiled, source: str) -> None:
+        keep(program, compiled)
+        sources[source] += 1
+        compiled_bar.set_postfix(sources, refresh=False)
+        compiled_bar.update()
+
+    afresh = store is not None and store.compile_afresh
+    with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
+          compiling_afresh() if afresh else contextlib.nullcontext(),
+          _program_bar("lower", len(programs), progress) as lowered_bar,
+          _program_bar("compile", len(programs), progress) as compiled_bar):
+        compiling = {}
+        for program in programs:
+            store_started = time.perf_counter()
+            stored = _stored_as(store, program)
+            loaded = store.load(program.stored_name, *stored) if stored is not None else None
+            store_seconds += time.perf_counter() - store_started
+            if loaded is not None:
+                lowered_bar.total -= 1  # a program from the store is never lowered
+                ready(program, loaded, "store")
+                continue
+            lower_started = time.perf_counter()
+            with guard.watch():
+                lowered = stored[1].lower() if stored is not None else program.lower()
+            lower_seconds += time.perf_counter() - lower_started
+            lowered_bar.update()
+            compiling[workers.submit(compile_watched, lowered, program.compiler_options)] = (program, stored)
+        for done in concurrent.futures.as_completed(compiling):
+            (program, stored), (compiled, source) = compiling[done], done.result()
+            # Only a program XLA compiled here is whole: one a compilation cache handed back lacks code (XLA:CPU)
+            if stored is not None and source == "compiled":
+                saved += store.save(program.stored_name, stored[0], compiled)
+            ready(program, compiled, source)
+    if store is not None and sources["cache"]:
+        store.note_uncompiled(sources["cache"])
+    return WarmupStats(len(programs), lower_seconds, time.perf_counter() - started, ProgramSources(**sources),
+                       store_seconds, saved)
+
+
+def _stored_as(store: ProgramStore | None, program: ProgramLowering) -> tuple[str, ProgramCall] | None:
+    """The program's key in the store and what it is lowered from; None when it is not to be stored."""
+    if store is None or program.call is None:
+        return None
+    call = program.call()
+    try:
+        return program_key(store.scope, call.signature(), program.compiler_options), call
+    except UnstableKeyError as error:
+        store.warn_once(f"the {program.stored_name} program is compiled, not stored: {error}")
+        return None
 
 
 def packed_tree(bucket: StepBucket, arrays: StepArrays):
@@ -245,7 +342,7 @@ def _program_bar(verb: str, total: int, shown: bool) -> tqdm:
                 mininterval=0.5)
 
 
-def _temp_bytes(program: jax.stages.Compiled) -> int:
+def temp_bytes(program: jax.stages.Compiled) -> int:
     """The program's temporary memory on one device, from XLA's analysis (0 where the backend gives none)."""
     analysis = program.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0

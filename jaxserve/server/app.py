@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from quart import Quart, request
 
-from jaxserve.server import chat, completions, lora_routes, ops, responses, tokenizer_routes
+from jaxserve.server import chat, completions, embeddings, lora_routes, ops, responses, tokenizer_routes
 from jaxserve.server.admission import releasing_admissions
 from jaxserve.server.api_errors import ApiError, register_error_handlers
 from jaxserve.server.api_keys import bearer_token, remember_key
@@ -24,10 +24,11 @@ def create_app(context: ServerContext) -> Quart:
     app.extensions["jaxserve"] = context
     register_error_handlers(app)
     app.before_request(_check_api_key)
+    app.before_request(embeddings.refuse_generation_on_pooling_server)
     app.before_serving(_start_engine)
     app.after_serving(_stop_engine)
     app.after_serving(_stop_workers)
-    for routes in (completions, chat, responses, tokenizer_routes, lora_routes, ops):
+    for routes in (completions, chat, responses, embeddings, tokenizer_routes, lora_routes, ops):
         app.register_blueprint(routes.blueprint)
     return app
 

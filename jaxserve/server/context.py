@@ -55,7 +55,7 @@ class ServerContext:
 
     def __post_init__(self):
         engine = self.engine
-        self.metrics = ServerMetrics(lambda: engine.stats)
+        self.metrics = ServerMetrics(lambda: engine.stats, engine.startup_stats)
         self.admission = Admission(engine.config.max_num_seqs + self.config.max_waiting_requests, self.metrics)
         self.api_keys = api_keys_from_config(self.config, self.clock)
         if self.api_keys is not None:

@@ -12,6 +12,7 @@ are per continuation (each of a request's n choices), as vLLM times its child re
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -22,6 +23,7 @@ from prometheus_client.samples import Sample
 
 from jaxserve.engine.async_engine import EngineEvent
 from jaxserve.engine.scheduler_stats import SchedulerStats, SpecDecodeStats
+from jaxserve.engine.startup import StartupStats
 from jaxserve.outputs import CompletionDelta
 from jaxserve.server.api_keys_file import LIMIT_FIELDS
 
@@ -57,9 +59,11 @@ E2E_BUCKETS = {"jaxserve": _ladder(-2, 3),
 class ServerMetrics:
     """The app's registry and the instruments the request path updates; one per app, never the global registry."""
 
-    def __init__(self, engine_stats: Callable[[], SchedulerStats]):
+    def __init__(self, engine_stats: Callable[[], SchedulerStats], startup: StartupStats | None = None):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(engine_stats))
+        if startup is not None:
+            self.registry.register(_StartupCollector(startup))
         # Histogram name (after the prefix) -> prefix -> the bucket bounds a scrape under that prefix shows
         self._bucket_bounds: dict[str, Mapping[str, list[float]]] = {}
         self.time_to_first_token = self._histogram(
@@ -234,6 +238,22 @@ class _EngineStatsCollector(Collector):
                        stats.num_preemptions)
         yield _counter("jaxserve:num_engine_steps", "Batches the engine has run.", stats.num_steps)
         yield from _spec_decode_counters(stats.spec_decode)
+
+
+class _StartupCollector(Collector):
+    """How the engine started: its time to ready, and where its step programs came from."""
+
+    def __init__(self, startup: StartupStats):
+        self._startup = startup
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge("jaxserve:startup_ready_seconds", "Seconds from the engine's start to ready to step.",
+                     self._startup.ready_seconds)
+        programs = GaugeMetricFamily("jaxserve:startup_programs", "Step programs at start-up by source: store "
+                                     "(loaded whole), cache (JAX's compilation cache), compiled.", labels=["source"])
+        for source, count in dataclasses.asdict(self._startup.sources).items():
+            programs.add_metric([source], count)
+        yield programs
 
 
 def _spec_decode_counters(spec: SpecDecodeStats) -> Iterator[Metric]:

@@ -33,7 +33,8 @@ class EngineSetup:
 # small and full, a step with its sampler in one program, and the samplers.
 LLAMA_8B = EngineSetup("8b-h100", "configs/llama-3.1-8b-h100.yaml", {},
                        ("decode S=1", "decode S=2", "decode S=8", "decode S=64", "mixed T=512 S=64",
-                        "mixed T=8192 S=64", "decode S=1 +penalties", "sampler S=1", "sampler S=64"))
+                        "mixed T=8192 S=64", "decode S=1 +penalties", "sampler S=1", "sampler S=64",
+                        "sampler S=64 untruncated"))
 LLAMA_8B_INT8 = EngineSetup("8b-h100-int8", "configs/llama-3.1-8b-h100.yaml", {"quantization": "int8"},
                             ("decode S=1", "decode S=64", "mixed T=2048 S=64"))
 LLAMA_8B_FP8 = EngineSetup("8b-h100-fp8", "configs/llama-3.1-8b-h100.yaml", {"quantization": "fp8"},

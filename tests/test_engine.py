@@ -146,6 +146,24 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(engine_llm):
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
+def test_steps_where_no_row_truncates_run_the_sampler_without_the_sort(engine_llm, monkeypatch):
+    """A seeded temperature-only request draws the same tokens from the untruncated sampler (alone) as from the
+    truncating one (beside a top-k request): the variant is exact, and each is chosen where it should be."""
+    programs = engine_llm.engine.runner.programs
+    chosen, sampler = [], programs.sampler
+    monkeypatch.setattr(programs, "sampler",
+                        lambda rows, truncation=True: chosen.append(truncation) or sampler(rows, truncation))
+    plain = SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)
+    alone = engine_llm.generate({"prompt_token_ids": [4, 5, 6]}, plain, use_tqdm=False)[0]
+    assert chosen and not any(chosen)
+    chosen.clear()
+    truncating = SamplingParams(max_tokens=8, temperature=1.0, top_k=3, seed=6, ignore_eos=True)
+    beside = engine_llm.generate([{"prompt_token_ids": [4, 5, 6]}, {"prompt_token_ids": [8, 9]}], [plain, truncating],
+                                 use_tqdm=False)
+    assert chosen and all(chosen)
+    assert beside[0].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 def test_n_continuations_with_a_seed_differ_and_reproduce(engine_llm):
     params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     first = engine_llm.generate({"prompt_token_ids": [11, 12, 13]}, params, use_tqdm=False)[0]

@@ -2,6 +2,7 @@
 the rules' definitions statistically, a seeded row ignores its batch, and a bucket compiles once."""
 
 import contextlib
+import dataclasses
 
 import jax
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.reference import host_sampler
-from jaxserve.runner.sampler import build_sampling_tensors, sample
+from jaxserve.runner.sampler import build_sampling_tensors, needs_truncation, sample
 from jaxserve.schedule import SamplingRow
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -17,7 +18,7 @@ VOCAB = 64
 EOS = (1, 2)
 NUM_TOP = 5
 WIDTHS = dict(bias_width=4, stop_width=4, history_width=32)  # fixed, so random batches share one program
-sample_jit = jax.jit(sample, static_argnames="num_top_logprobs")
+sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "truncation"))
 
 
 def _random_params(rng: np.random.Generator, greedy: bool, penalties: bool) -> SamplingParams:
@@ -193,6 +194,48 @@ def test_a_row_samples_the_same_beside_penalties_and_truncation(seeded):
     beside = sample_jit(logits, build_sampling_tensors([plain, busy], 2, **WIDTHS), num_top_logprobs=NUM_TOP)
     assert int(alone.token_ids[0]) == int(beside.token_ids[0])
     assert float(alone.logprobs[0]) == float(beside.logprobs[0])
+
+
+def _untruncated_row(rng: np.random.Generator, greedy: bool) -> SamplingRow:
+    """A random row whose draw keeps every token: greedy (with any truncation settings) or top-k/top-p/min-p neutral."""
+    row = _random_row(rng, greedy=greedy)
+    if greedy:
+        return row
+    return dataclasses.replace(row, params=dataclasses.replace(row.params, top_k=0, top_p=1.0, min_p=0.0))
+
+
+def test_the_untruncated_sampler_draws_as_the_full_one_where_no_row_truncates():
+    """The variant without the sort is exact, not an approximation, on the steps the runner gives it."""
+    rng = np.random.default_rng(8)
+    for _ in range(4):
+        rows = [_untruncated_row(rng, greedy=rng.random() < 0.4) for _ in range(12)]
+        tensors = build_sampling_tensors(rows, 16, **WIDTHS)
+        assert not needs_truncation(tensors)
+        logits = (rng.normal(size=(16, VOCAB)) * 3).astype(np.float32)  # f32[S, V]
+        full = jax.device_get(sample_jit(logits, tensors, num_top_logprobs=NUM_TOP))
+        untruncated = jax.device_get(sample_jit(logits, tensors, num_top_logprobs=NUM_TOP, truncation=False))
+        for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(getattr(untruncated, name), getattr(full, name), err_msg=name)
+
+
+@pytest.mark.parametrize(("params", "truncates"), [
+    (SamplingParams(temperature=0.7), False),
+    (SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.1), False),  # greedy: its argmax ignores them
+    (SamplingParams(temperature=0.7, top_k=5), True),
+    (SamplingParams(temperature=0.7, top_p=0.9), True),
+    (SamplingParams(temperature=0.7, min_p=0.05), True),
+])
+def test_a_step_needs_the_truncating_sampler_only_for_a_drawn_row_that_truncates(params, truncates):
+    plain = SamplingRow(SamplingParams(temperature=1.0), (1,), (), EOS, seed=1, step=0)
+    tensors = build_sampling_tensors([plain, SamplingRow(params, (1,), (), EOS, seed=2, step=0)], 4)
+    assert needs_truncation(tensors) is truncates
+    assert not needs_truncation(build_sampling_tensors([plain], 4))  # padding rows never truncate
+    # Without the truncating sampler a top-k row could draw outside its k: the variant matters where it is chosen.
+    if truncates and params.top_k:
+        logits = np.zeros((4, VOCAB), np.float32)  # every token equally likely
+        draws = {int(sample_jit(logits, dataclasses.replace(tensors, steps=np.full(4, step, np.int32)),
+                                num_top_logprobs=NUM_TOP, truncation=False).token_ids[1]) for step in range(40)}
+        assert len(draws) > params.top_k
 
 
 def test_builder_pads_rows_with_neutral_settings():

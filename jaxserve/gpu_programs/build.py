@@ -147,10 +147,11 @@ def engine_programs(engine: AbstractEngine) -> list[ProgramLowering]:
 
 
 def program_name(program: ProgramLowering) -> str:
-    """"decode S=1", "mixed T=512 S=64 +penalties", "scoring T=512 S=64", "verify T=16 S=16", "sampler S=8"."""
+    """"decode S=1", "mixed T=512 S=64 +penalties", "scoring T=512 S=64", "verify T=16 S=16", "sampler S=8",
+    "sampler S=8 untruncated" (the variant for steps where no row truncates)."""
     bucket = program.bucket
     if program.sampler:
-        return f"sampler S={bucket.num_seqs}"
+        return f"sampler S={bucket.num_seqs}" + ("" if program.truncation else " untruncated")
     kind = program_kind(program)
     shape = f"S={bucket.num_seqs}" if kind == "decode" else f"T={bucket.num_tokens} S={bucket.num_seqs}"
     return f"{kind} {shape}" + (" +penalties" if bucket.penalties and not bucket.prompt_logits else "")

@@ -10,7 +10,8 @@ and the attention's rows to max_num_seqs only):
     to FINE_TOKENS_FROM, then also the midpoints (1536, 3072, 6144, ...: padding at most a third rather than a
     half, where a step's tokens cost the most), up to max_num_batched_tokens; each with S = min(T, max_num_seqs)
     rows, enough for any batch of T tokens. Their T tokens dominate the step, so padding rows costs little there.
-The sampler's truncation (top-k/top-p/min-p) is a masked no-op where unused, so it costs no variant. Penalties do:
+The sampler's truncation (top-k/top-p/min-p) is a masked no-op where unused, so it costs no step variant; the
+sampler of plain steps has one without it (its sort is half of what the sampler moves). Penalties do cost a variant:
 they read each row's whole token history, an [S, max_model_len] array sent every step (at 256 rows and a 128k
 context, 160 MB), so every shape has a variant with that history and one whose history is one column wide.
 Steps that score prompt tokens (prompt_logprobs, evaluation traffic) have their own variant once per token count,
@@ -18,7 +19,8 @@ with penalties. With speculative decoding, steps carrying drafts have a verifyin
 (without penalties or scoring: the scheduler proposes no drafts into such steps). At 64 sequences and 8192 tokens that is 55 programs (21 shapes: 11 decode and 13 mixed, of which 3
 coincide, twice each, and 13 scoring); 63 at 256 sequences; the full product with four sampler variants was 276. `benchmarks/padding_waste.py` measures what
 the grid costs in padding. A plain bucket (no penalties, scoring or drafts) compiles as a forward program, and its
-sampler as a program per row count (11 more at 64 sequences: runner/model_runner.py).
+sampler as two programs per row count, with and without truncation (22 more at 64 sequences:
+runner/step_programs.py).
 """
 
 from __future__ import annotations

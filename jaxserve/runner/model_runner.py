@@ -55,6 +55,7 @@ from jaxserve.runner.pooling_programs import PoolingPrograms
 from jaxserve.runner.pooling_step import PendingPooling
 from jaxserve.runner.program_keys import StoreScope
 from jaxserve.runner.program_store import ProgramStore
+from jaxserve.runner.sampler import needs_truncation
 from jaxserve.runner.step import LogitsShardings, StepArrays, StepResult
 from jaxserve.runner.step_inputs import StepInputBuilder
 from jaxserve.runner.step_programs import AbstractArguments, StepPrograms, packed_tree, splits
@@ -217,8 +218,8 @@ class ModelRunner:
         with self.guard.watch(), jax.profiler.TraceAnnotation("sample"):
             allowed = self._masks.host(bucket.num_seqs, masks)
             if started.forward_running:
-                result = self.programs.sampler(bucket.num_seqs)(started.logits, started.sampling_inputs,
-                                                                  self._masks.device(bucket.num_seqs, allowed))
+                sampler = self.programs.sampler(bucket.num_seqs, needs_truncation(started.host_arrays.sampling))
+                result = sampler(started.logits, started.sampling_inputs, self._masks.device(bucket.num_seqs, allowed))
                 self._last_tokens = result.last_tokens
             else:
                 if self._channel is not None:
@@ -282,8 +283,8 @@ class ModelRunner:
             step_inputs = self.transfer(bucket, host_arrays)
             device_allowed = self._masks.device(bucket.num_seqs, allowed)
             if splits(bucket):
-                result = self.programs.sampler(bucket.num_seqs)(*self._run_forward(bucket, step_inputs),
-                                                                  device_allowed)
+                sampler = self.programs.sampler(bucket.num_seqs, needs_truncation(host_arrays.sampling))
+                result = sampler(*self._run_forward(bucket, step_inputs), device_allowed)
             else:
                 result, self.pool = self.programs.step(bucket)(self.params, self.pool, self._last_tokens, step_inputs,
                                                            device_allowed, self._lora_stack())

@@ -6,11 +6,13 @@ one compiled program serves any mix of requests. The rules and their order are t
 logit_bias; repetition, frequency and presence penalties; argmax for greedy rows; otherwise temperature, min_p,
 top-k, top-p and one draw.
 
-Penalties and truncation (top-k/top-p/min-p) always run, as masked no-ops on rows that do not use them (repetition
-1, frequency and presence 0; top_k 0, top_p 1, min_p 0), which leave a row's token exactly as if they were absent.
-Truncation costs a sort of each row; penalties scatter a token history of static width, which the runner makes one
-column wide (all padding) for batches where no row uses a penalty, so that only those batches send histories as
-long as the context. The host fills a row's history only where the row uses a penalty.
+Penalties and truncation (top-k/top-p/min-p) run as masked no-ops on rows that do not use them (repetition 1,
+frequency and presence 0; top_k 0, top_p 1, min_p 0), which leave a row's token exactly as if they were absent.
+Truncation costs a sort of each row (half of what a sampler moves at a 128k vocabulary), so `sample(...,
+truncation=False)` leaves it out: the runner uses that variant for batches where no row truncates. Penalties scatter
+a token history of static width, which the runner makes one column wide (all padding) for batches where no row uses
+a penalty, so that only those batches send histories as long as the context. The host fills a row's history only
+where the row uses a penalty.
 """
 
 from __future__ import annotations
@@ -117,10 +119,13 @@ def build_sampling_tensors(rows: Sequence[SamplingRow], num_rows: int | None = N
     )
 
 
-def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -> SamplerOutput:
-    """Picks one token per row of logits f32[S, V]; num_top_logprobs (K) is static."""
+def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int,
+           truncation: bool = True) -> SamplerOutput:
+    """Picks one token per row of logits f32[S, V]; num_top_logprobs (K) is static. `truncation` (static) False
+    leaves out top-k, top-p and min-p, which is exact where every row's are neutral (0, 1, 0)."""
     raw_logprobs, processed = target_logits(logits, tensors)  # f32[S, V] both
-    token_ids = jnp.where(tensors.greedy, jnp.argmax(processed, axis=-1), _draw(processed, tensors))  # i32[S]
+    drawn = _draw(processed, tensors, truncation)  # i32[S]
+    token_ids = jnp.where(tensors.greedy, jnp.argmax(processed, axis=-1), drawn)  # i32[S]
     return describe_tokens(raw_logprobs, token_ids.astype(jnp.int32), num_top_logprobs)
 
 
@@ -170,19 +175,22 @@ def _apply_penalties(logits: jax.Array, penalties: PenaltyTensors) -> jax.Array:
     return logits - penalties.presence[:, None] * (output_counts > 0)
 
 
-def _draw(processed: jax.Array, tensors: SamplingTensors) -> jax.Array:  # i32[S]
+def _draw(processed: jax.Array, tensors: SamplingTensors, truncation: bool = True) -> jax.Array:  # i32[S]
     """A draw from softmax(processed / temperature) restricted by truncation, by the Gumbel-max trick.
 
     Noise is drawn over the vocabulary in id order from the row's own key, so a seeded row's tokens do not depend on
     its neighbours or its position in the batch.
     """
-    scaled = tempered_logits(processed, tensors)  # f32[S, V]
+    scaled = tempered_logits(processed, tensors, truncation)  # f32[S, V]
     return jnp.argmax(scaled + gumbel_noise(row_keys(tensors), scaled.shape[1]), axis=-1)
 
 
-def tempered_logits(processed: jax.Array, tensors: SamplingTensors) -> jax.Array:  # f32[S, V], dropped tokens -inf
-    """What a sampled row draws from: softmax of these is its distribution (temperature, then truncation)."""
-    return _truncate(processed / tensors.temperature[:, None], tensors.truncation)
+def tempered_logits(processed: jax.Array, tensors: SamplingTensors,
+                    truncation: bool = True) -> jax.Array:  # f32[S, V], dropped tokens -inf
+    """What a sampled row draws from: softmax of these is its distribution (temperature, then truncation unless
+    `truncation` is False)."""
+    tempered = processed / tensors.temperature[:, None]  # f32[S, V]
+    return _truncate(tempered, tensors.truncation) if truncation else tempered
 
 
 def row_keys(tensors: SamplingTensors) -> jax.Array:  # key[S]
@@ -256,8 +264,12 @@ def _ids_blocked_by_min_tokens(params: SamplingParams, eos_token_ids: Sequence[i
     return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
 
 
-def uses_truncation(params: SamplingParams) -> bool:
-    return params.top_k > 0 or params.top_p < 1 or params.min_p > 0
+def needs_truncation(tensors: SamplingTensors) -> bool:
+    """Whether a row of these (host, numpy) tensors draws its token (not greedy) from fewer than all tokens (top-k,
+    top-p or min-p): the step needs the sampler that truncates, `sample(..., truncation=True)`."""
+    truncation = tensors.truncation
+    truncating = (truncation.top_k > 0) | (truncation.top_p < 1) | (truncation.min_p > 0)  # bool[S]
+    return bool((truncating & ~tensors.greedy).any())
 
 
 def penalty_tensors(rows: Sequence[SamplingRow], num_rows: int, history_width: int | None) -> PenaltyTensors:

@@ -107,11 +107,12 @@ def run_packed_sampling(logits: jax.Array,  # f32[S, vocab]: run_packed_forward'
                         allowed: jax.Array,  # i32[S, W]: SamplingTensors.allowed
                         layout: PackedLayout,  # static: of the sampling tensors of S rows
                         num_top_logprobs: int,  # static
-                        max_rows: int) -> StepResult:  # static: the width of last_tokens
+                        max_rows: int,  # static: the width of last_tokens
+                        truncation: bool = True) -> StepResult:  # static: False where no row truncates
     """A plain step's second program: the sampler on the first one's logits."""
     sampling = dataclasses.replace(layout.unpack(packed), allowed=allowed)
     with jax.named_scope("sample"):
-        sampled = sample(logits, sampling, num_top_logprobs)
+        sampled = sample(logits, sampling, num_top_logprobs, truncation)
     return StepResult(sampled=sampled, last_tokens=_padded_tokens(sampled.token_ids, max_rows), prompt_scores=None)
 
 

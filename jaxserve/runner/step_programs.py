@@ -46,12 +46,14 @@ class ProgramLowering:
     # Its jitted function and abstract arguments, whose signature keys it in a ProgramStore (nothing traced);
     # None: it is never stored, always compiled
     call: Callable[[], ProgramCall] | None = None
+    truncation: bool = True  # a sampler: with top-k / top-p / min-p; False: the variant for steps where no row truncates
 
     @property
     def stored_name(self) -> str:
-        """Its name in a program store: "step-T512-S64-penalties", "sampler-T8-S8"."""
+        """Its name in a program store: "step-T512-S64-penalties", "sampler-T8-S8", "sampler-T8-S8-untruncated"."""
         bucket = self.bucket
         flags = [flag for flag in ("prompt_logits", "penalties", "drafts") if getattr(bucket, flag)]
+        flags += [] if self.truncation else ["untruncated"]
         return "-".join(["sampler" if self.sampler else "step", f"T{bucket.num_tokens}", f"S{bucket.num_seqs}", *flags])
 
 
@@ -120,11 +122,13 @@ class StepPrograms:
         self._forward = jax.jit(functools.partial(run_packed_forward, graphdef, logits_shardings=arguments.logits),
                                 static_argnames=("layout", "sampling_words"), donate_argnames="pool",
                                 out_shardings=(arguments.replicated, arguments.pool_shardings))
-        self._sampling = jax.jit(run_packed_sampling, static_argnames=("layout", "num_top_logprobs", "max_rows"),
+        self._sampling = jax.jit(run_packed_sampling,
+                                 static_argnames=("layout", "num_top_logprobs", "max_rows", "truncation"),
                                  out_shardings=arguments.replicated)
         # Per bucket: its one program, or a plain bucket's forward program
         self._programs: dict[StepBucket, jax.stages.Compiled] = {}
-        self._samplers: dict[int, jax.stages.Compiled] = {}  # row count -> plain steps' sampler
+        # (row count, truncation) -> plain steps' sampler: with top-k / top-p / min-p, or without (no sort)
+        self._samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._layouts: dict[StepBucket, PackedLayout] = {}  # each bucket's inputs in its one transfer buffer
         self._sampling_layouts: dict[int, PackedLayout] = {}  # row count -> its sampling tensors' transfer buffer
         self.stats: WarmupStats | None = None  # set by compile_all
@@ -133,9 +137,10 @@ class StepPrograms:
         """The bucket's one program, or a plain bucket's forward program."""
         return self._programs[bucket]
 
-    def sampler(self, num_rows: int) -> jax.stages.Compiled:
-        """The sampler of plain steps of `num_rows` rows."""
-        return self._samplers[num_rows]
+    def sampler(self, num_rows: int, truncation: bool = True) -> jax.stages.Compiled:
+        """The sampler of plain steps of `num_rows` rows; `truncation` False: the one for steps where no row
+        truncates (sampler.needs_truncation), which does not sort."""
+        return self._samplers[num_rows, truncation]
 
     def of_bucket(self, bucket: StepBucket) -> list[jax.stages.Compiled]:
         """The programs a step of the bucket runs, in order: its one program, or its forward program and sampler."""
@@ -156,18 +161,19 @@ class StepPrograms:
 
     def lowerings(self, num_pages: int) -> list[ProgramLowering]:
         """Every program `compile_all` compiles for a pool of `num_pages` pages, not yet lowered: each bucket's
-        program (a plain bucket's forward), then a sampler per row count of the plain buckets."""
+        program (a plain bucket's forward), then two samplers per row count of the plain buckets (with and without
+        truncation)."""
         return ([ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages),
                                  self._step_options, functools.partial(self._call, bucket, num_pages))
                  for bucket in self._buckets.all_buckets()]
-                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows), {},
-                                   functools.partial(self._sampling_call, rows))
-                   for rows in self._sampling_row_counts()])
+                + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows, truncation),
+                                   {}, functools.partial(self._sampling_call, rows, truncation), truncation)
+                   for rows in self._sampling_row_counts() for truncation in (True, False)])
 
     @property
     def count(self) -> int:
-        """Programs `compile_all` compiles: one per bucket and a sampler per row count of the plain buckets."""
-        return len(self._buckets.all_buckets()) + len(self._sampling_row_counts())
+        """Programs `compile_all` compiles: one per bucket and two samplers per row count of the plain buckets."""
+        return len(self._buckets.all_buckets()) + 2 * len(self._sampling_row_counts())
 
     def largest_workspace_bytes(self, num_pages: int = 2) -> int:
         """Temporary memory of the largest step (all tokens, all rows, full sampler, prompt scores) on one device,
@@ -189,7 +195,8 @@ class StepPrograms:
         """Temporary memory of every program compiled (on one device), by program: what each step needs beside
         weights and pool at the pool's real size, which the sizing's two-page measurement stands for."""
         programs = {**{f"step {bucket}": program for bucket, program in self._programs.items()},
-                    **{f"sampler of {rows} rows": program for rows, program in self._samplers.items()}}
+                    **{f"sampler of {rows} rows" + ("" if truncation else " (untruncated)"): program
+                       for (rows, truncation), program in self._samplers.items()}}
         return {name: temp_bytes(program) for name, program in programs.items()}
 
     def workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
@@ -205,7 +212,7 @@ class StepPrograms:
 
     def _keep(self, program: ProgramLowering, compiled: jax.stages.Compiled) -> None:
         if program.sampler:
-            self._samplers[program.bucket.num_seqs] = compiled
+            self._samplers[program.bucket.num_seqs, program.truncation] = compiled
         else:
             self._programs[program.bucket] = compiled
 
@@ -227,18 +234,18 @@ class StepPrograms:
                             self._abstract_allowed(bucket.num_seqs), arguments.lora),
                            dict(layout=layout, num_top_logprobs=self._config.max_logprobs))
 
-    def _lower_sampling(self, num_rows: int) -> jax.stages.Lowered:
-        """The sampler of plain steps of `num_rows` rows."""
-        return self._sampling_call(num_rows).lower()
+    def _lower_sampling(self, num_rows: int, truncation: bool = True) -> jax.stages.Lowered:
+        """The sampler of plain steps of `num_rows` rows, with or without truncation."""
+        return self._sampling_call(num_rows, truncation).lower()
 
-    def _sampling_call(self, num_rows: int) -> ProgramCall:
+    def _sampling_call(self, num_rows: int, truncation: bool = True) -> ProgramCall:
         """What the sampler of plain steps of `num_rows` rows is lowered from."""
         replicated, layout = self._arguments.replicated, self._sampling_layout(num_rows)
         logits = jax.ShapeDtypeStruct((num_rows, self._vocab_size), np.float32, sharding=replicated)
         packed = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=replicated)
         return ProgramCall(self._sampling, "run_packed_sampling", (logits, packed, self._abstract_allowed(num_rows)),
                            dict(layout=layout, num_top_logprobs=self._config.max_logprobs,
-                                max_rows=self._buckets.max_rows))
+                                max_rows=self._buckets.max_rows, truncation=truncation))
 
     def _abstract_allowed(self, num_rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((num_rows, self._arguments.mask_width), np.int32,

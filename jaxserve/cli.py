@@ -19,7 +19,6 @@ from jaxserve.errors import ConfigError, JaxserveError
 from jaxserve.config import FIELD_NAMES, EngineConfig, flag_fields, flag_type, load_config
 
 DEMO_PROMPT = "The capital of France is"
-TOOL_CALL_PARSERS = ("llama3_json",)  # vLLM's names of the tool-call readers this server has
 # The titles of the flags' groups in `--help` (and in the generated flags pages).
 ENGINE_GROUP, SERVER_GROUP, PROCESS_GROUP_GROUP = "engine", "server", "multi-host"
 
@@ -110,7 +109,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser, compiled: bool = True) ->
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.server.config import METRICS_PREFIXES  # a light module: no JAX, no web framework
+    # A light module: no JAX, no web framework.
+    from jaxserve.server.config import METRICS_PREFIXES, REASONING_PARSERS, TOOL_CALL_PARSERS
 
     parser = parser.add_argument_group(SERVER_GROUP, "HTTP, API keys and quotas, limits, shutdown, LoRA and tools")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -141,12 +141,18 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
                         help="LoRA adapters served from the start, each name=path or JSON {\"name\": ..., "
                         "\"path\": ...}; requests name one as their model (needs --enable-lora)")
-    # vLLM needs these two for tool_choice "auto"; here it is always on, and Llama 3's JSON calls are what is read.
+    # vLLM needs these two for tool_choice "auto"; here it is always on, with Llama 3's JSON calls by default.
     # Taken so that a vLLM command line runs unchanged; a parser this server does not have is an error.
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's switch for tool_choice auto, which is always on here")
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
-                        help="how tool calls are read from answers: Llama 3's JSON form (vLLM's llama3_json)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="llama3_json",
+                        help="how tool calls are written in answers, as vLLM names the forms: llama3_json (Llama 3's "
+                        "JSON, the default), hermes (Qwen2.5/Qwen3's <tool_call> blocks), mistral ([TOOL_CALLS] and "
+                        "a JSON array); forced calls are written in it too")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                        help="how reasoning models write their reasoning, as vLLM names them: qwen3 or deepseek_r1 "
+                        "(<think>...</think>); it comes back as reasoning_content (streamed as "
+                        "delta.reasoning_content), and output constraints apply after it (default: none)")
     parser.add_argument("--allow-unknown-fields", action="store_true",
                         help="drop request fields this server does not declare instead of answering 400 (for "
                         "clients that send extras); declared but unimplemented fields are still refused")
@@ -230,7 +236,8 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout, stream_timeout_s=args.stream_timeout,
         profile_dir=args.profile_dir, allow_unknown_fields=args.allow_unknown_fields,
         metrics_need_key=args.metrics_need_key, metrics_prefix=args.metrics_prefix,
-        lora_modules=tuple(parse_lora_module(entry) for entry in args.lora_modules))
+        lora_modules=tuple(parse_lora_module(entry) for entry in args.lora_modules),
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     if config.lora_modules and not engine_config.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")
     if config.api_keys_file is not None:

@@ -1,5 +1,5 @@
-"""Pieces both paged-attention kernels share: Triton's limits, input checks, default key tiles, the scores and the
-online softmax."""
+"""Pieces both paged-attention kernels share: Triton's limits, input checks, default key tiles, the sliding window, the
+scores and the online softmax."""
 
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_table
                          f"{MIN_DOT_DIM} (Triton's dot); raise the tuning's pages_per_block")
 
 
+def check_window(sliding_window) -> None:
+    """Raises ValueError unless the sliding window is None or an integer scalar. Its value is traced (one program
+    serves every window), so keeping it positive is the caller's part."""
+    if sliding_window is None:
+        return
+    if jnp.shape(sliding_window) != () or not jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer):
+        raise ValueError(f"sliding_window must be None or an integer scalar, got {sliding_window!r}")
+
+
+def window_input(sliding_window) -> jax.Array | None:
+    """The window as the kernels read it, i32[1] (an input, not a constant, so one program serves every window)."""
+    return None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32).reshape(1)
+
+
 def next_power_of_two(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
@@ -104,8 +118,11 @@ def scaled_scores(query, keys, sm_scale: float, logits_soft_cap: float | None):
 def online_softmax_step(state, scores, values):
     """Folds one block into (running max f32[rows], running sum f32[rows], weighted values f32[rows, head_dim]).
 
-    Callers visit blocks from slot 0 and every row that holds a query sees slot 0, so its running max is a real
-    score after the first block and masked slots give exp(MASK_VALUE - max) = 0 exactly.
+    Without a window callers visit blocks from slot 0 and every row that holds a query sees slot 0, so its running
+    max is a real score after the first block and masked slots give exp(MASK_VALUE - max) = 0 exactly. A row that
+    sees nothing of a block (a sliding window starting later) gets max MASK_VALUE and sums of finite junk there,
+    which its first real score rescales by exp(MASK_VALUE - score) = 0 exactly: callers must keep the values of
+    every visited slot finite (zero the others) and give each query row a visible slot.
     """
     running_max, total, weighted = state
     new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[rows]

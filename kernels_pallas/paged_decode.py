@@ -2,7 +2,8 @@
 
 Layout (the serving cache's): the pool is f[kv_heads, num_pages, page_size, head_dim] for K and for V; sequence s
 owns pages block_tables[s, 0..] in order and holds lengths[s] tokens. Each sequence's query has `heads` query heads,
-grouped over the KV heads (grouped-query attention).
+grouped over the KV heads (grouped-query attention). With a sliding window of W slots a query sees only the last W
+of its sequence's tokens, and each program's page loop starts at the window's first block.
 
 The kernel runs on a static grid (kv_head, sequence, split): GPU lowerings of Pallas have neither scalar prefetch
 nor a dynamic grid, so the block table and lengths are ordinary inputs read inside the kernel, and each program
@@ -26,8 +27,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.common import (MASK_VALUE, check_pool, check_shape_arguments, check_tuning,
-                                   default_pages_per_block, online_softmax_step, padded_rows, scaled_scores)
+from kernels_pallas.common import (MASK_VALUE, check_pool, check_shape_arguments, check_tuning, check_window,
+                                   default_pages_per_block, online_softmax_step, padded_rows, scaled_scores,
+                                   window_input)
 
 # Streaming multiprocessors of an H100 SXM: the GPU the default tunings are sized for.
 H100_CORES = 132
@@ -105,28 +107,34 @@ def _paged_decode_kernel(
     v_pages_ref,  # f[num_pages, page_size, head_dim]: this KV head's whole V pool
     block_table_ref,  # i32[pages_per_split]: this split's share of the sequence's block table
     length_ref,  # i32[1]: tokens the sequence holds
-    out_ref,  # f32[group_rows, head_dim]: unnormalised weighted values of this split
-    max_ref,  # f32[group_rows]: running max of this split's scores
-    sum_ref,  # f32[group_rows]: sum of exp(score - max) over this split
-    *,
+    *window_and_out_refs,  # (window i32[1], when windowed), then the outputs out, max and sum:
+    # out f32[group_rows, head_dim]: unnormalised weighted values of this split
+    # max f32[group_rows]: running max of this split's scores
+    # sum f32[group_rows]: sum of exp(score - max) over this split
     sm_scale: float,
     logits_soft_cap: float | None,
     pages_per_block: int,
+    windowed: bool,
 ):
-    """One (kv_head, sequence, split) program: online softmax over the split's filled pages, block by block."""
+    """One (kv_head, sequence, split) program: online softmax over the split's visible pages, block by block."""
+    window_ref, out_ref, max_ref, sum_ref = window_and_out_refs if windowed else (None, *window_and_out_refs)
     group_rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     pages_per_split = block_table_ref.shape[0]
     length = length_ref[0]
     first_page = pl.program_id(2) * pages_per_split
-    # Only pages that hold tokens are visited; the grid is static, so a split past the sequence's end does nothing.
+    # The query (at length - 1) sees the last `window` tokens; every row of the group sees the same slots.
+    window_start = 0 if window_ref is None else jnp.maximum(length - window_ref[0], 0)
+    # Only pages that hold tokens are visited; the grid is static, so a split past the sequence's end does nothing,
+    # and one wholly before the window starts past its last block.
     pages_here = jnp.clip(pl.cdiv(length, page_size) - first_page, 0, pages_per_split)
     num_blocks = pl.cdiv(pages_here, pages_per_block)
+    first_block = jnp.maximum(window_start - first_page * page_size, 0) // (pages_per_block * page_size)
     query = q_ref[...]  # f[group_rows, head_dim]
 
     def fold_block(block, state):
         keys, values, visible = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here,
-                                            first_page, length, pages_per_block)
+                                            first_page, window_start, length, pages_per_block)
         # A float8 pool's pages are widened to the query's dtype in registers (its scales are folded outside).
         keys, values = keys.astype(query.dtype), values.astype(query.dtype)
         scores = scaled_scores(query, keys, sm_scale, logits_soft_cap)  # f32[group_rows, block_slots]
@@ -138,13 +146,13 @@ def _paged_decode_kernel(
         jnp.zeros((group_rows,), jnp.float32),  # running sum
         jnp.zeros((group_rows, head_dim), jnp.float32),  # weighted values
     )
-    running_max, total, weighted = lax.fori_loop(0, num_blocks, fold_block, state)
+    running_max, total, weighted = lax.fori_loop(first_block, num_blocks, fold_block, state)
     out_ref[...] = weighted
     max_ref[...] = running_max
     sum_ref[...] = total
 
 
-def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, first_page, length,
+def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, first_page, window_start, length,
                 pages_per_block: int):
     """Keys f[block_slots, head_dim], values (masked slots zeroed), and visible bool[block_slots] of one block."""
     _, page_size, head_dim = k_pages_ref.shape
@@ -157,7 +165,7 @@ def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, fi
     keys = k_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[block_slots, head_dim]
     values = v_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[block_slots, head_dim]
     slot_positions = (first_page + block * pages_per_block) * page_size + jnp.arange(block_slots)  # i32[block_slots]
-    visible = slot_positions < length  # bool[block_slots]
+    visible = (slot_positions >= window_start) & (slot_positions < length)  # bool[block_slots]
     # where, not a multiply: a masked slot may hold NaN (stale or poisoned memory), and 0 * NaN is NaN.
     values = jnp.where(lax.broadcast_in_dim(visible, values.shape, (0,)), values, jnp.zeros((), values.dtype))
     return keys, values, visible
@@ -183,6 +191,7 @@ def _decode_partials(
     v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
     split_tables: jax.Array,  # i32[S, k_splits, pages_per_split]
     lengths: jax.Array,  # i32[S]
+    window: jax.Array | None,  # i32[1]: slots a query sees, itself included; None: all of its sequence
     *,
     sm_scale: float,
     logits_soft_cap: float | None,
@@ -197,7 +206,8 @@ def _decode_partials(
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, s, p: (h, 0, 0, 0))
     row_spec = pl.BlockSpec((None, None, None, group_rows), lambda h, s, p: (p, s, h, 0))
     kernel = functools.partial(_paged_decode_kernel, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                               pages_per_block=tuning.pages_per_block)
+                               pages_per_block=tuning.pages_per_block, windowed=window is not None)
+    window_inputs = [] if window is None else [window]
     return pl.pallas_call(
         kernel,
         grid=(kv_heads, seqs, tuning.k_splits),
@@ -207,7 +217,7 @@ def _decode_partials(
             pool_spec,
             pl.BlockSpec((None, None, pages_per_split), lambda h, s, p: (s, p, 0)),
             pl.BlockSpec((1,), lambda h, s, p: (s,)),
-        ],
+        ] + [pl.BlockSpec((1,), lambda h, s, p: (0,))] * len(window_inputs),
         out_specs=[
             pl.BlockSpec((None, None, None, group_rows, head_dim), lambda h, s, p: (p, s, h, 0, 0)),
             row_spec,
@@ -222,7 +232,7 @@ def _decode_partials(
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name=tuning.kernel_name,
-    )(grouped_q, k_pages, v_pages, split_tables, lengths)
+    )(grouped_q, k_pages, v_pages, split_tables, lengths, *window_inputs)
 
 
 def _combine_splits(
@@ -238,9 +248,10 @@ def _combine_splits(
     return weighted / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _check_shapes(q, k_pages, v_pages, block_tables, lengths, tuning: DecodeTuning):
+def _check_shapes(q, k_pages, v_pages, block_tables, lengths, sliding_window, tuning: DecodeTuning):
     """Raises ValueError naming the first input that the kernel cannot take."""
     check_pool(q, k_pages, v_pages, block_tables, tuning.pages_per_block)
+    check_window(sliding_window)
     seqs = q.shape[0]
     if block_tables.shape[0] != seqs:
         raise ValueError(f"block_tables must be i32[{seqs}, max_pages], got {block_tables.dtype}{block_tables.shape}")
@@ -263,10 +274,12 @@ def paged_decode_attention(
     *,
     sm_scale: float,
     logits_soft_cap: float | None = None,
+    sliding_window: jax.Array | int | None = None,  # i32[] or int: slots a query sees, itself included
     tuning: DecodeTuning = DecodeTuning(),
     interpret: bool = False,
 ) -> jax.Array:  # f[S, heads, head_dim], q's dtype
-    """Decode attention of each sequence's single query over its first lengths[s] cached tokens.
+    """Decode attention of each sequence's single query over its first lengths[s] cached tokens (only the last
+    `sliding_window` of them, when given: a traced value, so one program serves every window).
 
     Query head i attends with KV head i // (heads // kv_heads). Scores are q·k * sm_scale, then, if
     `logits_soft_cap` is given, cap * tanh(score / cap). Accumulation is float32. A sequence of length 0 gets
@@ -274,15 +287,16 @@ def paged_decode_attention(
     never reach the output, whatever they hold (NaN included). `interpret=True` runs the kernel on any backend
     (CPU included) for testing.
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, lengths, tuning)
+    _check_shapes(q, k_pages, v_pages, block_tables, lengths, sliding_window, tuning)
     seqs, heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
     group = heads // kv_heads
     grouped_q = q.reshape(seqs, kv_heads, group, head_dim)  # f[S, kv_heads, group, head_dim]
     grouped_q = jnp.pad(grouped_q, ((0, 0), (0, 0), (0, padded_rows(group) - group), (0, 0)))
     partials = _decode_partials(grouped_q, k_pages, v_pages,
-                                _split_block_tables(block_tables, tuning), lengths, sm_scale=sm_scale,
-                                logits_soft_cap=logits_soft_cap, tuning=tuning, interpret=interpret)
+                                _split_block_tables(block_tables, tuning), lengths, window_input(sliding_window),
+                                sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, tuning=tuning,
+                                interpret=interpret)
     out = _combine_splits(*partials)[:, :, :group]  # f32[S, kv_heads, group, head_dim]
     return out.reshape(seqs, heads, head_dim).astype(q.dtype)
 
@@ -302,6 +316,7 @@ def paged_decode_reference(
     *,
     sm_scale: float,
     logits_soft_cap: float | None = None,
+    sliding_window: jax.Array | int | None = None,  # i32[] or int: slots a query sees, itself included
 ) -> jax.Array:  # f[S, heads, head_dim], q's dtype
     """Plain-jnp decode attention with the kernel's semantics: gathers every sequence's whole context at once.
 
@@ -318,7 +333,10 @@ def paged_decode_reference(
                         precision=lax.Precision.HIGHEST) * sm_scale  # f32[S, kv_heads, group, slots]
     if logits_soft_cap is not None:
         scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-    visible = jnp.arange(max_slots)[None, :] < lengths[:, None]  # bool[S, slots]
+    slots = jnp.arange(max_slots)[None, :]  # i32[1, slots]
+    visible = slots < lengths[:, None]  # bool[S, slots]
+    if sliding_window is not None:
+        visible &= slots >= lengths[:, None] - sliding_window
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     # A row that sees nothing has max -inf; shifting by 0 instead keeps its exp at 0 rather than NaN.
     row_max = jnp.max(scores, axis=-1, keepdims=True)

@@ -3,7 +3,8 @@
 A step's T query tokens are prefill chunks and decode tokens of several sequences, concatenated; token t belongs to
 sequence row token_seq[t] and sits at position positions[t] of that sequence. Its K/V (and those of every earlier
 chunk) are already in the page pool f[kv_heads, num_pages, page_size, head_dim], so token t attends over slots
-0 .. min(positions[t] + 1, seq_lens[s]) - 1 of its sequence's pages, block_tables[s, 0..] in order.
+0 .. min(positions[t] + 1, seq_lens[s]) - 1 of its sequence's pages, block_tables[s, 0..] in order; with a sliding
+window of W slots, over only the last W of those (the loop then starts at the block of the item's earliest window).
 
 GPU lowerings of Pallas have neither scalar prefetch nor a dynamic grid, so the wrapper computes in XLA a work list
 of fixed length W: each work item is up to `block_q` consecutive tokens of ONE sequence (a run of tokens of one
@@ -34,11 +35,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.common import (MASK_VALUE, MIN_DOT_DIM, check_pool, check_shape_arguments, check_tuning,
-                                   default_pages_per_block, next_power_of_two, online_softmax_step, padded_rows,
-                                   previous_power_of_two, scaled_scores)
+                                   check_window, default_pages_per_block, next_power_of_two, online_softmax_step,
+                                   padded_rows, previous_power_of_two, scaled_scores, window_input)
 from kernels_pallas.paged_decode import paged_decode_reference
 
 _NO_POSITION = -1  # position of a query row that holds no token: it sees no slot
+_NO_SLOT = jnp.iinfo(jnp.int32).max  # first visible slot of an item with no token
 # Most query rows (block_q * group) per program a default tuning takes: the float32 accumulator [rows, head_dim]
 # and scores [rows, slots] live in registers, and at 64 rows, head_dim 128 and 128 slots that is already 128 f32
 # registers per thread of 4 warps (of 255).
@@ -106,29 +108,39 @@ def _paged_prefill_kernel(
     v_pages_ref,  # f[num_pages, page_size, head_dim]: this KV head's whole V pool
     block_table_ref,  # i32[table_pages]: the item's sequence's block table, padded
     length_ref,  # i32[1]: tokens the item's sequence holds; 0 for an empty item
-    out_ref,  # f[rows, head_dim]: normalised attention output of each row
-    *,
+    *window_and_out_refs,  # (window i32[1], when windowed), out f[rows, head_dim]: each row's normalised output
     sm_scale: float,
     logits_soft_cap: float | None,
     pages_per_block: int,
+    windowed: bool,
 ):
-    """One (kv_head, work item) program: online softmax over the pages the item's last query can see."""
+    """One (kv_head, work item) program: online softmax over the pages the item's queries can see."""
+    window_ref, out_ref = window_and_out_refs if windowed else (None, *window_and_out_refs)
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
-    # Slots each row may see: causal (up to its position) and never past the sequence's length.
+    block_slots = pages_per_block * page_size
+    # Slots each row may see: causal (up to its position) and never past the sequence's length; with a window, only
+    # the last `window` of those.
     row_limits = jnp.clip(row_positions_ref[...] + 1, 0, length_ref[0])  # i32[rows]
+    row_starts = None if window_ref is None else jnp.maximum(row_limits - window_ref[0], 0)  # i32[rows]
     item_limit = jnp.max(row_limits)
+    # Rows without a token see nothing and bound nothing; an empty item starts past its (absent) end.
+    item_start = 0 if row_starts is None else jnp.min(jnp.where(row_limits > 0, row_starts, _NO_SLOT))
     pages_here = pl.cdiv(item_limit, page_size)
     num_blocks = pl.cdiv(pages_here, pages_per_block)
     query = q_ref[...]  # f[rows, head_dim]
 
     def fold_block(block, state):
         keys, values, slot_positions = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here,
-                                                   item_limit, pages_per_block)
+                                                   item_start, item_limit, pages_per_block)
         # A float8 pool's pages are widened to the query's dtype in registers (its scales are folded outside).
         keys, values = keys.astype(query.dtype), values.astype(query.dtype)
-        visible = (lax.broadcast_in_dim(slot_positions, (rows, slot_positions.shape[0]), (1,))
-                   < lax.broadcast_in_dim(row_limits, (rows, slot_positions.shape[0]), (0,)))  # bool[rows, slots]
+        slots = lax.broadcast_in_dim(slot_positions, (rows, slot_positions.shape[0]), (1,))  # i32[rows, slots]
+        visible = slots < lax.broadcast_in_dim(row_limits, slots.shape, (0,))  # bool[rows, slots]
+        if row_starts is not None:
+            # A row whose window starts in a later block sees none of this one: its max becomes MASK_VALUE and its
+            # sums collect finite junk, which its first real score then rescales by exp(MASK_VALUE - score) = 0.
+            visible &= slots >= lax.broadcast_in_dim(row_starts, slots.shape, (0,))
         scores = jnp.where(visible, scaled_scores(query, keys, sm_scale, logits_soft_cap), MASK_VALUE)
         return online_softmax_step(state, scores, values)
 
@@ -137,14 +149,15 @@ def _paged_prefill_kernel(
         jnp.zeros((rows,), jnp.float32),  # running sum
         jnp.zeros((rows, head_dim), jnp.float32),  # weighted values
     )
-    _, total, weighted = lax.fori_loop(0, num_blocks, fold_block, state)
+    _, total, weighted = lax.fori_loop(item_start // block_slots, num_blocks, fold_block, state)
     # An empty item (or a padding sequence of length 0) never enters the loop: total 0, so divide by 1 for zeros.
     out_ref[...] = (weighted / lax.broadcast_in_dim(jnp.where(total > 0, total, 1.0), weighted.shape, (0,))
                     ).astype(out_ref.dtype)
 
 
-def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, item_limit, pages_per_block: int):
-    """Keys f[slots, head_dim], values (zeroed past the item's last visible slot), slot positions i32[slots]."""
+def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, item_start, item_limit,
+                pages_per_block: int):
+    """Keys f[slots, head_dim], values (zeroed outside the item's visible slots), slot positions i32[slots]."""
     _, page_size, head_dim = k_pages_ref.shape
     block_slots = pages_per_block * page_size
     local_pages = block * pages_per_block + jnp.arange(pages_per_block)  # i32[pages_per_block]
@@ -154,9 +167,9 @@ def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, it
     keys = k_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[slots, head_dim]
     values = v_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[slots, head_dim]
     slot_positions = block * block_slots + jnp.arange(block_slots)  # i32[slots]
-    # Slots below item_limit are written tokens of the sequence, so finite; those past it may hold NaN, and a row
-    # that masks them still multiplies them by probability 0 (0 * NaN = NaN): zero them with where.
-    in_item = slot_positions < item_limit  # bool[slots]
+    # Slots in [item_start, item_limit) are written tokens of the sequence, so finite; others may hold NaN, and a
+    # row that masks them still multiplies them by probability 0 (0 * NaN = NaN): zero them with where.
+    in_item = (slot_positions >= item_start) & (slot_positions < item_limit)  # bool[slots]
     values = jnp.where(lax.broadcast_in_dim(in_item, values.shape, (0,)), values, jnp.zeros((), values.dtype))
     return keys, values, slot_positions
 
@@ -237,6 +250,7 @@ def _prefill_items(
     v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
     tables: jax.Array,  # i32[W, table_pages]
     lengths: jax.Array,  # i32[W]
+    window: jax.Array | None,  # i32[1]: slots a query sees, itself included; None: every slot before it
     *,
     sm_scale: float,
     logits_soft_cap: float | None,
@@ -249,7 +263,8 @@ def _prefill_items(
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, w: (h, 0, 0, 0))
     rows_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (w, h, 0, 0))
     kernel = functools.partial(_paged_prefill_kernel, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                               pages_per_block=tuning.pages_per_block)
+                               pages_per_block=tuning.pages_per_block, windowed=window is not None)
+    window_inputs = [] if window is None else [window]
     return pl.pallas_call(
         kernel,
         grid=(kv_heads, items),
@@ -260,14 +275,14 @@ def _prefill_items(
             pool_spec,
             pl.BlockSpec((None, tables.shape[1]), lambda h, w: (w, 0)),
             pl.BlockSpec((1,), lambda h, w: (w,)),
-        ],
+        ] + [pl.BlockSpec((1,), lambda h, w: (0,))] * len(window_inputs),
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(item_q.shape, item_q.dtype),
         # Explicit Triton parameters: without them a GPU pallas_call may pick another GPU backend.
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name=tuning.kernel_name,
-    )(item_q, row_positions, k_pages, v_pages, tables, lengths)
+    )(item_q, row_positions, k_pages, v_pages, tables, lengths, *window_inputs)
 
 
 def _token_outputs(item_out, work: WorkList, tokens: int, group: int) -> jax.Array:  # f[T, heads, head_dim]
@@ -281,9 +296,11 @@ def _token_outputs(item_out, work: WorkList, tokens: int, group: int) -> jax.Arr
     return out.reshape(tokens, kv_heads * group, head_dim)
 
 
-def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, tuning: PrefillTuning):
+def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, sliding_window,
+                  tuning: PrefillTuning):
     """Raises ValueError naming the first input that the kernel cannot take."""
     check_pool(q, k_pages, v_pages, block_tables, tuning.pages_per_block)
+    check_window(sliding_window)
     tokens, seqs = q.shape[0], block_tables.shape[0]
     if seq_lens.shape != (seqs,) or seq_lens.dtype != jnp.int32:
         raise ValueError(f"seq_lens must be i32[{seqs}], got {seq_lens.dtype}{seq_lens.shape}")
@@ -309,19 +326,21 @@ def paged_prefill_attention(
     *,
     sm_scale: float,
     logits_soft_cap: float | None = None,
+    sliding_window: jax.Array | int | None = None,  # i32[] or int: slots a query sees, itself included
     tuning: PrefillTuning = PrefillTuning(),
     interpret: bool = False,
 ) -> jax.Array:  # f[T, heads, head_dim], q's dtype
     """Causal paged attention of a flattened ragged batch (prefill chunks and decode tokens of many sequences).
 
-    Token t attends over slots 0 .. min(positions[t] + 1, seq_lens[token_seq[t]]) - 1 of its sequence, with query
-    head i reading KV head i // (heads // kv_heads): the semantics of `paged_prefill_reference`. Scores are
+    Token t attends over slots 0 .. min(positions[t] + 1, seq_lens[token_seq[t]]) - 1 of its sequence (only the
+    last `sliding_window` of them, when given: a traced value, so one program serves layers of any window), with
+    query head i reading KV head i // (heads // kv_heads): the semantics of `paged_prefill_reference`. Scores are
     q·k * sm_scale, then cap * tanh(score / cap) if `logits_soft_cap` is given; accumulation is float32. Tokens of a
     length-0 row (padding) get zeros. Block-table entries past the pages a query needs are never read as pages,
     and slots a query may not see never reach its output, whatever they hold (NaN included). `interpret=True` runs
     the kernel on any backend (CPU included) for testing.
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, tuning)
+    _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, sliding_window, tuning)
     tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
     group = heads // kv_heads
@@ -329,8 +348,8 @@ def paged_prefill_attention(
     work = build_work_list(token_seq, block_tables.shape[0], tuning.block_q)
     item_q, row_positions = _item_queries(q, positions, work, kv_heads, tuning.block_q, rows)
     tables, lengths = _item_tables(block_tables, seq_lens, work, tuning.pages_per_block)
-    item_out = _prefill_items(item_q, row_positions, k_pages, v_pages, tables, lengths, sm_scale=sm_scale,
-                              logits_soft_cap=logits_soft_cap, tuning=tuning, interpret=interpret)
+    item_out = _prefill_items(item_q, row_positions, k_pages, v_pages, tables, lengths, window_input(sliding_window),
+                              sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, tuning=tuning, interpret=interpret)
     return _token_outputs(item_out, work, tokens, group)
 
 
@@ -351,12 +370,14 @@ def paged_prefill_reference(
     *,
     sm_scale: float,
     logits_soft_cap: float | None = None,
+    sliding_window: jax.Array | int | None = None,  # i32[] or int: slots a query sees, itself included
 ) -> jax.Array:  # f[T, heads, head_dim], q's dtype
     """Plain-jnp attention with the kernel's semantics: each token is a decode query over its own sequence's pages,
-    seeing min(position + 1, its sequence's length) slots, so the decode reference computes it token by token.
+    seeing min(position + 1, its sequence's length) slots (the last `sliding_window` of them, when given), so the
+    decode reference computes it token by token.
 
     It gathers every token's whole context (T * max_pages * page_size per K and V): for tests, not serving.
     """
     visible = jnp.minimum(positions + 1, seq_lens[token_seq])  # i32[T]
     return paged_decode_reference(q, k_pages, v_pages, block_tables[token_seq], visible, sm_scale=sm_scale,
-                                  logits_soft_cap=logits_soft_cap)
+                                  logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)

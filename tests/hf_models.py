@@ -11,6 +11,12 @@ Styles (what each exercises):
     "llama31"  grouped-query attention, llama3 RoPE scaling with original_max_position_embeddings 16, so the
                scaling changes positions seen in a 40-token test
     "tied"     Llama 3.2: llama31 plus tie_word_embeddings (no lm_head.weight on disk)
+Family styles (other architectures the one decoder serves; `build_tiny_hf_model` / `save_tiny_hf_model`):
+    "qwen2"         Qwen2ForCausalLM: GQA, q/k/v biases (drawn at random: HF would leave them zero)
+    "qwen2-window"  qwen2 with use_sliding_window: layer 1 attends over a 6-token window, layer 0 over everything
+    "qwen3"         Qwen3ForCausalLM: q/k RMSNorm per head, explicit head_dim 32 (not hidden / heads), tied
+                    embeddings as in the small Qwen3 sizes
+    "mistral"       MistralForCausalLM: explicit head_dim 32 and a 6-token sliding window on every layer
 Folder variants (keywords of `save_tiny_hf_llama`): `sharded=True` writes several shards plus an index;
 `rope_keys="top_level"` rewrites config.json the way real Llama 3.1 repositories spell it (`rope_theta` and
 `rope_scaling` at top level, `torch_dtype`) instead of transformers 5's `rope_parameters` and `dtype`.
@@ -25,6 +31,7 @@ from typing import Any
 import numpy as np
 
 STYLES = ("llama2", "llama31", "tied")
+FAMILY_STYLES = ("qwen2", "qwen2-window", "qwen3", "mistral")
 ROPE_KEY_STYLES = ("rope_parameters", "top_level")
 
 _LLAMA3_SCALING = dict(
@@ -46,6 +53,15 @@ _STYLE_CONFIGS: dict[str, dict[str, Any]] = {
     "llama31": dict(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING),
     "tied": dict(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING, tie_word_embeddings=True),
 }
+# style -> (transformers config class, its fields beyond _COMMON)
+_FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, rope_theta=1000000.0)),
+    "qwen2-window": ("Qwen2Config", dict(num_key_value_heads=2, rope_theta=1000000.0, use_sliding_window=True,
+                                         sliding_window=6, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+                                  tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, head_dim=32, sliding_window=6)),
+}
 # transformers' shard limits: the float32 tiny model is about 0.5 MB, so the first gives several shards.
 _SMALL_SHARD = "100KB"
 _ONE_FILE = "10GB"
@@ -66,6 +82,37 @@ def build_tiny_hf_llama(style: str = "llama31", seed: int = 0, **overrides: Any)
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    return model
+
+
+def build_tiny_hf_model(style: str, seed: int = 0, **overrides: Any):
+    """A random float32 transformers model of a Llama style (STYLES) or a family style (FAMILY_STYLES), eval mode.
+
+    Norm weights (q/k norms included) are drawn around 1 and biases around 0, rather than left at HF's 1 and 0, so
+    loading them wrongly (or not at all) changes the logits.
+    """
+    if style in STYLES:
+        return build_tiny_hf_llama(style, seed, **overrides)
+    import torch
+    import transformers
+
+    config_class, fields = _FAMILY_CONFIGS[style]
+    hf_config = getattr(transformers, config_class)(**{**_COMMON, **fields, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+    return model
+
+
+def save_tiny_hf_model(folder: Path, style: str, *, dtype: str = "float32", seed: int = 0, **overrides: Any):
+    """Build a tiny random HF model of any style, save it into `folder`, and return it (float32, eval mode)."""
+    model = build_tiny_hf_model(style, seed, **overrides)
+    save_hf_llama(model, folder, dtype=dtype)
     return model
 
 

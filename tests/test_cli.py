@@ -74,8 +74,14 @@ def test_vllms_tool_calling_flags_are_taken_and_an_unknown_parser_is_refused():
 
     args = _build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
-    result = _jaxserve("serve", "--tool-call-parser", "hermes")
-    assert result.returncode == 2 and "argument --tool-call-parser: invalid choice: 'hermes'" in result.stderr
+    result = _jaxserve("serve", "--tool-call-parser", "pythonic")
+    assert result.returncode == 2 and "argument --tool-call-parser: invalid choice: 'pythonic'" in result.stderr
+    for name in ("hermes", "mistral"):
+        assert _build_parser().parse_args(["serve", "--tool-call-parser", name]).tool_call_parser == name
+    for name in ("qwen3", "deepseek_r1"):
+        assert _build_parser().parse_args(["serve", "--reasoning-parser", name]).reasoning_parser == name
+    result = _jaxserve("serve", "--reasoning-parser", "granite")
+    assert result.returncode == 2 and "argument --reasoning-parser: invalid choice: 'granite'" in result.stderr
 
 
 def test_flags_override_the_preset():

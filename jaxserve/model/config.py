@@ -1,7 +1,9 @@
-"""`LlamaConfig`: the architecture hyper-parameters, read from an HF `config.json` in either key style.
+"""`LlamaConfig`: the decoder's hyper-parameters, read from an HF `config.json` in either key style.
 
-Real Llama 3.1 repositories keep `rope_theta` and `rope_scaling` at the top level; transformers 5 writes a
-`rope_parameters` dict instead. Both map onto the same frozen dataclass, validated on creation.
+One config (and one decoder) serves every supported family (model/families.py: Llama, Mistral, Qwen2, Qwen3); a
+family's differences become fields here (biases, the q/k norm, the sliding window). Real Llama 3.1 repositories keep
+`rope_theta` and `rope_scaling` at the top level; transformers 5 writes a `rope_parameters` dict instead. Both map
+onto the same frozen dataclass, validated on creation.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.errors import ModelLoadError, UnsupportedModelError
+from jaxserve.model.families import SUPPORTED_ARCHITECTURES, FamilyTraits, family_of, family_traits
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "LlamaConfig", "RopeConfig", "read_config_json"]
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -31,7 +35,8 @@ class RopeConfig:
     def __post_init__(self):
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
-                f"rope type {self.rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                f"config key rope_scaling (rope_type {self.rope_type!r}) is not supported (supported rope types: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)})"
             )
         if self.theta <= 0 or self.factor <= 0:
             raise ModelLoadError(f"rope_theta and rope factor must be positive, got {self.theta} and {self.factor}")
@@ -41,7 +46,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama-family decoder, as the HF `LlamaForCausalLM` config describes it."""
+    """Shape of the decoder, as an HF config of a supported family (model/families.py) describes it."""
 
     vocab_size: int  # rows of the embedding table and of lm_head
     hidden_size: int  # width of the residual stream
@@ -52,9 +57,15 @@ class LlamaConfig:
     head_dim: int  # width of one attention head
     rms_norm_eps: float = 1e-6  # epsilon inside RMSNorm's square root
     max_position_embeddings: int = 2048  # longest context the checkpoint claims to support
-    tie_word_embeddings: bool = False  # lm_head reuses the embedding table (Llama 3.2)
-    attention_bias: bool = False  # q/k/v/o projections carry a bias
+    tie_word_embeddings: bool = False  # lm_head reuses the embedding table (Llama 3.2, small Qwen3)
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2 always; Llama, Qwen3: attention_bias)
+    o_proj_bias: bool = False  # o_proj carries a bias (Llama, Qwen3: attention_bias)
     mlp_bias: bool = False  # gate/up/down projections carry a bias
+    qk_norm: bool = False  # RMSNorm over head_dim on every q and k head before RoPE (Qwen3)
+    # Keys a query of a windowed layer sees, itself included (transformers' sliding_window); None: full attention
+    sliding_window: int | None = None
+    windowed_layers: tuple[int, ...] = ()  # the layers sliding_window applies to, ascending
+    architecture: str = "LlamaForCausalLM"  # the HF class the checkpoint was saved from (its family)
     rope: RopeConfig = RopeConfig()  # rotary embedding settings
     checkpoint_dtype: str = "float32"  # dtype the weights were saved in ("bfloat16", "float16", "float32")
     bos_token_id: int | None = None  # from config.json; tokenizer files may override
@@ -70,11 +81,21 @@ class LlamaConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.sliding_window is None and self.windowed_layers:
+            raise ModelLoadError("windowed_layers needs a sliding_window")
+        if any(not 0 <= layer < self.num_hidden_layers for layer in self.windowed_layers):
+            raise ModelLoadError(f"windowed_layers {self.windowed_layers} name layers the model does not have")
 
     @property
     def queries_per_kv(self) -> int:
         """Query heads that share one KV head."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention), in layer order."""
+        return tuple(self.sliding_window if layer in self.windowed_layers else None
+                     for layer in range(self.num_hidden_layers))
 
     @classmethod
     def from_json_file(cls, path: Path) -> LlamaConfig:
@@ -82,10 +103,12 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
-        _check_architecture(raw)
+        family = family_of(raw)
+        _check_activation(raw)
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
+            traits = family_traits(raw, family, int(raw["num_hidden_layers"]))
             return cls(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -97,8 +120,7 @@ class LlamaConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", False)),
-                mlp_bias=bool(raw.get("mlp_bias", False)),
+                **_trait_fields(traits),
                 rope=_rope_from_hf(raw),
                 checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
                 bos_token_id=raw.get("bos_token_id"),
@@ -123,17 +145,17 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _check_architecture(raw: dict[str, Any]) -> None:
-    architectures = raw.get("architectures") or []
-    if architectures and not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-        raise UnsupportedModelError(
-            f"architecture {', '.join(architectures)} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    if not architectures and raw.get("model_type") != "llama":
-        raise UnsupportedModelError(f"model_type {raw.get('model_type')!r} is not supported (supported: 'llama')")
+def _check_activation(raw: dict[str, Any]) -> None:
     activation = raw.get("hidden_act", "silu")
     if activation != "silu":
-        raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (Llama uses 'silu')")
+        raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (every served family uses 'silu')")
+
+
+def _trait_fields(traits: FamilyTraits) -> dict[str, Any]:
+    """LlamaConfig's fields of a family's resolved differences."""
+    return dict(qkv_bias=traits.qkv_bias, o_proj_bias=traits.o_proj_bias, mlp_bias=traits.mlp_bias,
+                qk_norm=traits.qk_norm, sliding_window=traits.sliding_window,
+                windowed_layers=traits.windowed_layers, architecture=traits.architecture)
 
 
 def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
@@ -143,6 +165,9 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"config key partial_rotary_factor={params['partial_rotary_factor']!r} is not "
+                                    f"supported (jaxserve rotates whole heads)")
     return RopeConfig(
         theta=float(theta),
         rope_type=str(rope_type),

@@ -1,4 +1,8 @@
-"""Llama as Flax NNX modules whose parameter paths are HF's tensor names, with the decoder layers stacked.
+"""The decoder as Flax NNX modules whose parameter paths are HF's tensor names, with the decoder layers stacked.
+
+One parameterised Llama-style decoder serves every supported family (model/families.py): the config says which
+projections carry biases, whether q and k heads are RMS-normed before RoPE (Qwen3's `q_norm`/`k_norm`, f[head_dim]
+per layer), and which layers attend over a sliding window only.
 
 `LlamaForCausalLM` holds `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight` and one stacked decoder
 layer, `model.layers`, whose every parameter carries a leading layer axis: `model.layers.self_attn.q_proj.weight` is
@@ -22,6 +26,9 @@ from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.lora import LayerLora, LoraStack
 from jaxserve.model.quantization import WeightFormat, scale_shape, scaled_matmul, weight_format
 from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+
+# The window of a full-attention layer in a model whose other layers slide: wider than any context, masking nothing.
+FULL_ATTENTION_WINDOW = 1 << 30
 
 
 class Linear(nnx.Module):
@@ -102,22 +109,31 @@ class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, init_std: float, stack: tuple[int, ...],
                  quantization: str | WeightFormat | None):
         hidden, hd = cfg.hidden_size, cfg.head_dim
-        linear = dict(bias=cfg.attention_bias, dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
-        self.q_proj = _projection(quantization, hidden, cfg.num_attention_heads * hd, **linear)
-        self.k_proj = _projection(quantization, hidden, cfg.num_key_value_heads * hd, **linear)
-        self.v_proj = _projection(quantization, hidden, cfg.num_key_value_heads * hd, **linear)
-        self.o_proj = _projection(quantization, cfg.num_attention_heads * hd, hidden, **linear)
+        linear = dict(dtype=dtype, rngs=rngs, init_std=init_std, stack=stack)
+        self.q_proj = _projection(quantization, hidden, cfg.num_attention_heads * hd, bias=cfg.qkv_bias, **linear)
+        self.k_proj = _projection(quantization, hidden, cfg.num_key_value_heads * hd, bias=cfg.qkv_bias, **linear)
+        self.v_proj = _projection(quantization, hidden, cfg.num_key_value_heads * hd, bias=cfg.qkv_bias, **linear)
+        self.o_proj = _projection(quantization, cfg.num_attention_heads * hd, hidden, bias=cfg.o_proj_bias, **linear)
+        # One norm per layer over head_dim, shared by all heads (so replicated under tensor parallelism).
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, stack) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, stack) if cfg.qk_norm else None
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = hd
 
-    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array, lora: LayerLora | None = None):
+    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array, lora: LayerLora | None = None,
+                 window: jax.Array | None = None):
         batch, tokens, _ = x.shape
         q = _adapted(self.q_proj, "q_proj", x, lora).reshape(batch, tokens, self.heads, self.head_dim)
         k = _adapted(self.k_proj, "k_proj", x, lora).reshape(batch, tokens, self.kv_heads, self.head_dim)
         v = _adapted(self.v_proj, "v_proj", x, lora).reshape(batch, tokens, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out, cache = cache.update_and_attend(layer, q, k, v, positions, scale=self.head_dim**-0.5)
+        # Only a windowed model passes its window, so caches without window support still serve every other model
+        # and refuse a windowed one (a TypeError) rather than silently attending over the full context.
+        windowed = {} if window is None else {"window": window}
+        out, cache = cache.update_and_attend(layer, q, k, v, positions, scale=self.head_dim**-0.5, **windowed)
         return _adapted(self.o_proj, "o_proj", out.reshape(batch, tokens, self.heads * self.head_dim), lora), cache
 
 
@@ -149,8 +165,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, stack)
         self.mlp = MLP(cfg, **projections)
 
-    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array, lora: LayerLora | None = None):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, lora)
+    def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array, lora: LayerLora | None = None,
+                 window: jax.Array | None = None):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, lora, window)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x), lora), cache
 
@@ -167,6 +184,7 @@ class LlamaModel(nnx.Module):
         self.rope = cfg.rope
         self.head_dim = cfg.head_dim
         self.num_layers = cfg.num_hidden_layers
+        self.layer_windows = cfg.layer_windows  # static: each layer's sliding window, None for full attention
 
     def __call__(self, tokens, positions, cache: KVCache, lora: LoraStack | None = None,
                  token_slots: jax.Array | None = None):
@@ -177,15 +195,24 @@ class LlamaModel(nnx.Module):
 
         def run_layer(carry, layer_inputs):
             x, cache = carry
-            # One layer's slice of every parameter, its index i32[], its slice of the adapter slots (or None).
-            params, index, slots = layer_inputs
+            # One layer's slice of every parameter, its index i32[], its slice of the adapter slots (or None), its
+            # window i32[] (or None).
+            params, index, slots, window = layer_inputs
             layer_lora = None if slots is None else LayerLora(slots.a, slots.b, token_slots)
             with jax.named_scope("decoder_layer"):
-                return nnx.merge(layer_def, params)(x, cos, sin, positions, cache, index, layer_lora), None
+                return nnx.merge(layer_def, params)(x, cos, sin, positions, cache, index, layer_lora, window), None
 
         layer_indices = jnp.arange(self.num_layers, dtype=jnp.int32)  # i32[num_layers]
-        (x, cache), _ = jax.lax.scan(run_layer, (x, cache), (stacked, layer_indices, lora))
+        (x, cache), _ = jax.lax.scan(run_layer, (x, cache), (stacked, layer_indices, lora, self._windows()))
         return self.norm(x), cache
+
+    def _windows(self) -> jax.Array | None:
+        """i32[num_layers]: each layer's sliding window, FULL_ATTENTION_WINDOW where the layer has none; None when no
+        layer has one (the scan then carries no window and the step programs are those of plain full attention)."""
+        if all(window is None for window in self.layer_windows):
+            return None
+        return jnp.array([FULL_ATTENTION_WINDOW if window is None else window for window in self.layer_windows],
+                         jnp.int32)
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -17,6 +17,10 @@ into it (their slot is out of range and the scatter drops it). Freed pages keep 
 every slot a query may not see, and masks V with `where` (not a multiply) so stale or NaN slots never reach an
 output.
 
+A sliding window (Mistral, windowed Qwen layers) narrows what a query sees to the `window` slots that end at its
+last visible slot; both attention backends mask older slots (and skip the blocks wholly before every window). The
+pool keeps those slots: the window changes what is read, not what is stored.
+
 Attention sits behind `PagedAttentionFn`; the cache's static `attention_backend` names which implementation runs,
 so swapping in a kernel is a change of one string that jit sees as part of the cache's tree structure. Users pick
 auto, pallas or xla plus an interpret switch; `EngineConfig.attention_implementation` turns that into one of those
@@ -69,8 +73,8 @@ class PagedAttentionFn(Protocol):
     """The attention interface the cache calls and kernels implement.
 
     Each query attends causally over its own sequence's cached tokens 0..its position (earlier chunks' K/V and
-    this step's, already written), grouping query heads over KV heads. A token whose sequence row has length 0
-    (padding) gets zeros.
+    this step's, already written), grouping query heads over KV heads; with a `window`, over only the last `window`
+    of those. A token whose sequence row has length 0 (padding) gets zeros.
     """
 
     def __call__(
@@ -81,6 +85,7 @@ class PagedAttentionFn(Protocol):
         metadata: PagedAttentionMetadata,
         positions: jax.Array,  # i32[T]
         scale: float,
+        window: jax.Array | None = None,  # i32[]: slots a query sees, itself included; None: all before it
     ) -> jax.Array:  # f[T, heads, head_dim]
         ...
 
@@ -112,6 +117,7 @@ def paged_attention_xla(
     metadata: PagedAttentionMetadata,
     positions: jax.Array,  # i32[T]
     scale: float,
+    window: jax.Array | None = None,  # i32[]: slots a query sees, itself included; None: all before it
     *,
     pages_per_block: int | None = None,
 ) -> jax.Array:  # f[T, heads, head_dim]
@@ -120,7 +126,7 @@ def paged_attention_xla(
     Block j holds pages j*pages_per_block.. of every token's sequence; the token's K/V for that block are gathered
     ([kv_heads, T, block_slots, head_dim]), scored, masked, and folded into a running max, sum and weighted value
     sum kept in float32. The loop runs only as many blocks as the longest visible context needs, so a short batch
-    does not pay for the block table's full width.
+    does not pay for the block table's full width; with a window it starts at the block of the earliest window.
 
     Memory: per block, the gathered K and V (each T * block_slots * kv_heads * head_dim elements) and float32
     scores (T * heads * block_slots); plus the float32 state T * heads * (head_dim + 2). Nothing scales with the
@@ -136,6 +142,7 @@ def paged_attention_xla(
     token_pages = _pad_columns(metadata.block_tables, pages_per_block)[metadata.token_seq]  # i32[T, padded_pages]
     # A query sees slots 0..its position, and never past its sequence's length (padding rows have length 0).
     visible_len = jnp.minimum(positions + 1, metadata.seq_lens[metadata.token_seq])  # i32[T]
+    first_visible = window_starts(visible_len, window)  # i32[T]
     grouped_q = q.reshape(tokens, kv_heads, heads // kv_heads, head_dim)  # f[T, kv_heads, group, head_dim]
 
     def fold_block(block, state):
@@ -145,14 +152,28 @@ def paged_attention_xla(
         values = _gather_slots(v_pages, pages).astype(q.dtype)  # f[kv_heads, T, block_slots, head_dim]
         slots = block * block_slots + jnp.arange(block_slots)  # i32[block_slots]
         visible = slots[None, :] < visible_len[:, None]  # bool[T, block_slots]
+        if window is not None:
+            visible &= slots[None, :] >= first_visible[:, None]
         return _online_softmax_step(state, grouped_q, keys, values, visible, scale)
 
     num_blocks = -(-jnp.max(visible_len, initial=0) // block_slots)  # i32[]
+    # Blocks before every query's window hold nothing any query sees (padding rows, seeing nothing, set no bound).
+    no_slot = jnp.iinfo(jnp.int32).max
+    first_block = 0 if window is None else jnp.min(jnp.where(visible_len > 0, first_visible, no_slot)) // block_slots
     state = _empty_softmax_state(tokens, kv_heads, heads // kv_heads, head_dim)
-    _, total, weighted = jax.lax.fori_loop(0, num_blocks, fold_block, state)
+    _, total, weighted = jax.lax.fori_loop(first_block, num_blocks, fold_block, state)
     # A query that saw nothing has total 0 and weighted 0; divide by 1 instead so it yields zeros, not NaN.
     out = weighted / jnp.where(total > 0, total, 1.0)[..., None]  # f32[T, kv_heads, group, head_dim]
     return out.reshape(tokens, heads, head_dim).astype(q.dtype)
+
+
+def window_starts(
+    visible_len: jax.Array,  # i32[...]: slots each query may see, counted from slot 0
+    window: jax.Array | None,  # i32[]: slots a query sees, itself included
+) -> jax.Array:  # i32[...]: each query's first visible slot
+    """A query sees the `window` slots ending at its last visible one (transformers: key > query - window); all of
+    them without a window."""
+    return jnp.zeros_like(visible_len) if window is None else jnp.maximum(visible_len - window, 0)
 
 
 def _default_pages_per_block(tokens: int, page_size: int, max_pages: int) -> int:
@@ -205,7 +226,7 @@ def _online_softmax_step(
 def _pallas_attention(interpret: bool) -> PagedAttentionFn:
     """The Pallas mixed prefill/decode kernel behind the cache's attention interface."""
 
-    def attend(q, k_pages, v_pages, metadata: PagedAttentionMetadata, positions, scale):
+    def attend(q, k_pages, v_pages, metadata: PagedAttentionMetadata, positions, scale, window=None):
         tokens, heads, head_dim = q.shape
         kv_heads, _, page_size, _ = k_pages.shape
         num_seqs, max_pages = metadata.block_tables.shape
@@ -214,8 +235,8 @@ def _pallas_attention(interpret: bool) -> PagedAttentionFn:
                                         max_pages_per_seq=max_pages, page_size=page_size, head_dim=head_dim,
                                         dtype=k_pages.dtype)
         return paged_prefill_attention(q, k_pages, v_pages, metadata.block_tables, metadata.seq_lens,
-                                       metadata.token_seq, positions, sm_scale=scale, tuning=tuning,
-                                       interpret=interpret)
+                                       metadata.token_seq, positions, sm_scale=scale, sliding_window=window,
+                                       tuning=tuning, interpret=interpret)
 
     return attend
 
@@ -299,8 +320,10 @@ class PagedKVCache:
         v: jax.Array,  # f[1, T, kv_heads, head_dim]
         positions: jax.Array,  # i32[1, T]
         scale: float,
+        window: jax.Array | None = None,  # i32[]: this layer's sliding window; None: full causal attention
     ) -> tuple[jax.Array, PagedKVCache]:  # f[1, T, heads, head_dim], updated cache
-        """Scatter this step's K/V into the pool at slot_mapping, then attend over the updated pool.
+        """Scatter this step's K/V into the pool at slot_mapping, then attend over the updated pool (within the
+        last `window` slots of each query, when given).
 
         The batch dimension must be 1: the engine's tokens are one flattened ragged batch.
         """
@@ -312,7 +335,7 @@ class PagedKVCache:
         if self.pool_sharding is not None:
             write_and_attend = _per_head_shard(write_and_attend, self.pool_sharding)
         out, new_k, new_v = write_and_attend(q[0], k[0], v[0], self.k_pages, self.v_pages, self.scales,
-                                             self.metadata, positions[0], layer)
+                                             self.metadata, positions[0], layer, window)
         return out[None], dataclasses.replace(self, k_pages=new_k, v_pages=new_v)
 
 
@@ -328,6 +351,7 @@ def _write_and_attend(
     metadata: PagedAttentionMetadata,
     positions: jax.Array,  # i32[T]
     layer: jax.Array,  # i32[]
+    window: jax.Array | None,  # i32[]: the layer's sliding window; None: full causal attention
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f[T, heads, head_dim], the updated k_pages and v_pages
     flat_k, layer_metadata = layer_view(k_pages, metadata, layer)
     flat_v, _ = layer_view(v_pages, metadata, layer)
@@ -337,7 +361,9 @@ def _write_and_attend(
         q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)  # (q * k_scale) · stored = q · (stored * k_scale)
     flat_k = write_slots(flat_k, k, layer_metadata.slot_mapping)
     flat_v = write_slots(flat_v, v, layer_metadata.slot_mapping)
-    out = attend(q, flat_k, flat_v, layer_metadata, positions, scale)
+    # Without a window the call is the plain one, so backends and programs of full-attention models are unchanged.
+    windowed = {} if window is None else {"window": window}
+    out = attend(q, flat_k, flat_v, layer_metadata, positions, scale, **windowed)
     if scales is not None:
         out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)  # (probs · stored) * v_scale
     return out, flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)
@@ -354,7 +380,7 @@ def _per_head_shard(write_and_attend, pool_sharding: NamedSharding):
     by_head = P(None, head_axis, None)  # f[T, heads, head_dim]
     return jax.shard_map(write_and_attend, mesh=pool_sharding.mesh,
                          in_specs=(by_head, by_head, by_head, pool_sharding.spec, pool_sharding.spec, P(), P(), P(),
-                                   P()),
+                                   P(), P()),
                          out_specs=(by_head, pool_sharding.spec, pool_sharding.spec),
                          # The bodies are one-device code that the varying-axis check rejects: the reference's loop
                          # state starts as unvarying constants, and pallas_call's out_shape names no varying axes.

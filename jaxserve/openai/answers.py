@@ -91,7 +91,10 @@ class ToolCallMade(Answer):
 
 class AssistantMessage(Answer):
     role: Literal["assistant"]
-    content: str | None = Field(description="null when the answer is tool calls alone")
+    content: str | None = Field(description="null when the answer is tool calls alone (or, with a reasoning "
+                                "parser, reasoning alone)")
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser: the answer's reasoning "
+                                          "(<think>...</think>), null without any")
     tool_calls: list[ToolCallMade] | None = Field(None, description="with tools: the calls the answer made")
 
 
@@ -131,6 +134,7 @@ class ToolCallDelta(Answer):
 
 class ChatDelta(Answer):
     role: Literal["assistant"] | None = Field(None, description="in each choice's first event")
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser: more of the reasoning")
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = Field(None, description="with tools: calls begun or grown")
 

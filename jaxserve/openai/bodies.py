@@ -16,7 +16,9 @@ from typing import Any
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.openai.tool_calls import ToolCalling, parse_answer, tool_calls_body
+from jaxserve.openai.answer_reader import read_answer
+from jaxserve.openai.reasoning import ANSWER_RULE, Reasoning, after_reasoning, constraint_rules
+from jaxserve.openai.tool_calls import ToolCalling, tool_calls_body
 from jaxserve.structured_outputs import StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
 
@@ -28,10 +30,14 @@ OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint generates w
 
 
 def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_tokens: int,
-                              tool_calling: ToolCalling | None = None) -> SamplingParams:
+                              tool_calling: ToolCalling | None = None,
+                              reasoning: Reasoning | None = None) -> SamplingParams:
     """SamplingParams of a completions (chat=False) or chat completions body (with its `tool_calling`, which may
-    force calls); InvalidRequestError names the field."""
+    force calls, and its `reasoning`, after which any output constraint applies); InvalidRequestError names the
+    field."""
     kwargs = {name: body[name] for name in _PASSED_THROUGH if body.get(name) is not None}
+    if tool_calling is not None and tool_calling.format.keeps_special_tokens and "skip_special_tokens" not in kwargs:
+        kwargs["skip_special_tokens"] = False  # the calls' trigger is a special token, which the reader must see
     spelled = body_spellings(body, chat)
     max_tokens = body.get(spelled.get("max_tokens", "max_tokens"))
     kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
@@ -50,7 +56,7 @@ def sampling_params_from_body(body: dict[str, Any], chat: bool, default_max_toke
     logprobs = _requested_logprobs(body, chat)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
-    constraint, field = structured_outputs_from_body(body, tool_calling)
+    constraint, field = structured_outputs_from_body(body, tool_calling, reasoning)
     if constraint is not None:
         kwargs["structured_outputs"] = constraint
         spelled["structured_outputs"] = field
@@ -83,9 +89,10 @@ def named_as_sent(spelled: dict[str, str]) -> Iterator[None]:
 
 
 def structured_outputs_from_body(body: dict[str, Any], tool_calling: ToolCalling | None = None,
+                                 reasoning: Reasoning | None = None,
                                  ) -> tuple[StructuredOutputsParams | None, str | None]:
     """The body's output constraint and the field that gave it (tool_choice when it forces calls); more than one
-    constraining field is a 400."""
+    constraining field is a 400. With `reasoning`, the constraint applies after the reasoning."""
     given = {}
     for field, keywords_of in CONSTRAINT_KEYWORDS.items():
         if body.get(field) is not None:
@@ -103,9 +110,14 @@ def structured_outputs_from_body(body: dict[str, Any], tool_calling: ToolCalling
         return None, None
     (field, keywords), = given.items()
     try:
-        return StructuredOutputsParams(**keywords), field
+        constraint = StructuredOutputsParams(**keywords)
     except InvalidRequestError as error:
         raise InvalidRequestError(str(error), param=field) from None
+    if reasoning is None:
+        return constraint, field
+    answer = (tool_calling.forced_calls_rules(ANSWER_RULE) if field == "tool_choice"
+              else constraint_rules(constraint, field))
+    return after_reasoning(reasoning, answer), field
 
 
 def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:
@@ -135,12 +147,21 @@ CONSTRAINT_KEYWORDS = {
 
 
 def chat_template_variables(body: dict[str, Any], tool_calling: ToolCalling | None) -> dict[str, Any]:
-    """What a chat body hands its chat template besides the messages: the tools offered, and reasoning_effort (as
-    vLLM passes it: the templates of reasoning models read it)."""
+    """What a chat body hands its chat template besides the messages: the tools offered, reasoning_effort, and
+    chat_template_kwargs (enable_thinking, ...), which win over both, as vLLM passes them."""
     variables: dict[str, Any] = {"tools": tool_calling.tools if tool_calling is not None else None}
     if body.get("reasoning_effort") is not None:
         variables["reasoning_effort"] = body["reasoning_effort"]
-    return variables
+    extra = body.get("chat_template_kwargs") or {}
+    taken = sorted(set(extra) & set(_BODY_TEMPLATE_FIELDS))
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs cannot set {taken[0]}: the body's own field "
+                                  f"{_BODY_TEMPLATE_FIELDS[taken[0]]} sets it", param="chat_template_kwargs")
+    return {**variables, **extra}
+
+
+# Template variables the body sets with fields of its own, and those fields.
+_BODY_TEMPLATE_FIELDS = {"messages": "messages", "add_generation_prompt": "add_generation_prompt", "tools": "tools"}
 
 
 def default_max_tokens(chat: bool, prompt_len: int, max_model_len: int) -> int:
@@ -212,13 +233,15 @@ def _completion_choice(output: RequestOutput, completion: CompletionOutput, inde
 
 
 def chat_completion_body(output: RequestOutput, model: str, num_top: int, tokenizer: Tokenizer,
-                         tool_calling: ToolCalling | None = None) -> dict[str, Any]:
+                         tool_calling: ToolCalling | None = None, reasoning: Reasoning | None = None,
+                         ) -> dict[str, Any]:
     """The /v1/chat/completions response for one conversation's result; `num_top`: the top_logprobs asked for;
-    with `tool_calling` (tool_choice other than none), answers that call tools come back as tool_calls."""
+    with `tool_calling` (tool_choice other than none), answers that call tools come back as tool_calls; with
+    `reasoning`, the reasoning as reasoning_content."""
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
-        "choices": [{"index": c.index, **_chat_message(c, tool_calling),
+        "choices": [{"index": c.index, **_chat_message(c, tool_calling, reasoning),
                      "logprobs": chat_logprobs(c.token_ids, c.logprobs, num_top, tokenizer),
                      "stop_reason": c.stop_reason}
                     for c in output.outputs],
@@ -226,17 +249,22 @@ def chat_completion_body(output: RequestOutput, model: str, num_top: int, tokeni
     }
 
 
-def _chat_message(completion: CompletionOutput, tool_calling: ToolCalling | None) -> dict[str, Any]:
+def _chat_message(completion: CompletionOutput, tool_calling: ToolCalling | None,
+                  reasoning: Reasoning | None) -> dict[str, Any]:
     """A choice's message and finish reason."""
-    if tool_calling is None or tool_calling.choice == "none":
+    reads_calls = tool_calling is not None and tool_calling.choice != "none"
+    if not reads_calls and reasoning is None:
         return {"message": {"role": "assistant", "content": completion.text},
                 "finish_reason": completion.finish_reason}
-    answer = parse_answer(completion.text, tool_calling)
-    content = "".join(answer.content)
-    message = {"role": "assistant", "content": content if content or not answer.calls else None}
-    if answer.calls:
-        message["tool_calls"] = tool_calls_body(answer.calls)
-    return {"message": message, "finish_reason": tool_finish_reason(completion.finish_reason, bool(answer.calls))}
+    said, calls = read_answer(completion.text, reasoning, tool_calling if reads_calls else None)
+    # As vLLM: with a reasoning parser, no content is null; with calls alone, content is null.
+    empty = None if calls or reasoning is not None else ""
+    message: dict[str, Any] = {"role": "assistant", "content": said.content or empty}
+    if reasoning is not None:
+        message["reasoning_content"] = said.reasoning or None
+    if calls:
+        message["tool_calls"] = tool_calls_body(calls)
+    return {"message": message, "finish_reason": tool_finish_reason(completion.finish_reason, bool(calls))}
 
 
 def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:

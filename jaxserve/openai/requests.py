@@ -82,7 +82,9 @@ class ChatMessage(Body):
     function_call: dict[str, Any] | None = refused("the deprecated function_call is not implemented: use "
                                                     "tool_calls")
     refusal: str | None = refused("assistant refusals are an OpenAI-side feature")
-    reasoning_content: str | None = refused("reasoning models are " + NOT_YET)
+    reasoning_content: str | None = Field(None, description="assistant messages: the reasoning an earlier answer "
+                                          "gave (reasoning_content), passed to the chat template (Qwen3's keeps "
+                                          "it only after the last user message)")
     # Fields of OpenAI's answers that clients echo back in the history: nothing of theirs is served here.
     annotations: list[dict[str, Any]] | None = refused("annotations come from web search, which is not available", [])
     audio: dict[str, Any] | None = refused("the served model reads and writes text only")
@@ -232,7 +234,9 @@ class ChatCompletionRequestBody(_Sampling):
     continue_final_message: bool | None = refused(NOT_YET, False)
     add_special_tokens: bool | None = refused("the chat template writes the special tokens", False)
     chat_template: str | None = refused("the server renders with the model's own template")
-    chat_template_kwargs: dict[str, Any] | None = refused(NOT_YET, {})
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template, "
+                                                        "as vLLM passes them (e.g. {\"enable_thinking\": false} "
+                                                        "for Qwen3); they win over reasoning_effort")
     documents: list[dict[str, Any]] | None = refused(NOT_YET, [])
 
 

@@ -1,30 +1,25 @@
-"""Tool calling as Llama 3.1, 3.2 and 3.3 do it: the chat template renders the tools, and the model answers a call
-with a JSON object `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or not; several joined by "; ").
+"""Tool calling: the chat template renders the tools, and the model answers calls in its family's format
+(tool_call_formats.py: Llama 3's JSON, Hermes/Qwen's `<tool_call>` blocks, Mistral's `[TOOL_CALLS]` array; the
+server's --tool-call-parser picks one, llama3_json by default).
 
 `ToolCalling` is what a chat request asks: which tools, and whether the model may (auto), must (required) or must
-call one named function. Forced calls become a grammar on the output, so even a model that never learned the format
-answers with valid calls. `ToolCallParser` reads the model's text back into OpenAI's `tool_calls`, piece by piece as
-it streams or all at once; both give the same calls.
+call one named function. Forced calls become a grammar on the output, written in the format, so even a model that
+never learned the format answers with valid calls. `ToolCallParser` reads the model's text back into OpenAI's
+`tool_calls`, piece by piece as it streams or all at once; both give the same calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxserve.errors import InvalidRequestError
+from jaxserve.openai.tool_call_formats import LLAMA3_JSON, ToolCallFormat, match_pieces, trigger_split
 from jaxserve.structured_outputs import StructuredOutputsParams
 
-CALL_SEPARATOR = "; "  # between parallel calls, as Llama's JSON tool-call parsers read them
-# The start of one call, up to and including the `{` that opens its arguments.
-_CALL_HEAD = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*'
-                        r'"(?:parameters|arguments)"\s*:\s*\{')
-# Text longer than this that has not become a call head never will (names are at most 64 characters).
-_HEAD_LIMIT = 160
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +30,7 @@ class ToolCalling:
     choice: str  # "none", "auto", "required", or "function": every answer calls `function`
     function: str | None  # with choice "function": the function's name
     parallel: bool  # an answer may hold several calls
+    format: ToolCallFormat = LLAMA3_JSON  # how the model writes calls (--tool-call-parser)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -47,14 +43,20 @@ class ToolCalling:
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar that forces calls (required, or a named function); None when the model decides."""
+        rules = self.forced_calls_rules("start")
+        return None if rules is None else StructuredOutputsParams(grammar="\n".join(rules))
+
+    def forced_calls_rules(self, entry: str) -> list[str] | None:
+        """Lark rules whose rule `entry` is the forced calls, in the format; None when the model decides."""
         if not self.forces_calls:
             return None
         forced = [tool["function"] for tool in self.tools if self.choice == "required" or
                   tool["function"]["name"] == self.function]
-        rules = [f"call_{index}: %json {json.dumps(_call_schema(function))}" for index, function in enumerate(forced)]
-        calls = 'call ("' + CALL_SEPARATOR + '" call)*' if self.parallel and self.choice == "required" else "call"
-        alternatives = " | ".join(f"call_{index}" for index in range(len(forced)))
-        return StructuredOutputsParams(grammar="\n".join([f"start: {calls}", f"call: {alternatives}", *rules]))
+        rules = [f"call_{index}: %json {json.dumps(_call_schema(function, self.format.arguments_key))}"
+                 for index, function in enumerate(forced)]
+        alternatives = [f"call_{index}" for index in range(len(forced))]
+        parallel = self.parallel and self.choice == "required"
+        return [*self.format.forced_calls_rules(entry, alternatives, parallel), *rules]
 
     def parameter_schemas(self) -> list[tuple[int, dict[str, Any]]]:
         """(tool index, arguments schema) of every tool that declares one."""
@@ -62,8 +64,9 @@ class ToolCalling:
                 if tool["function"].get("parameters") is not None]
 
 
-def tool_calling_from_body(fields: dict[str, Any]) -> ToolCalling | None:
-    """The chat body's tools, tool_choice and parallel_tool_calls (already schema-checked); None without tools."""
+def tool_calling_from_body(fields: dict[str, Any], call_format: ToolCallFormat = LLAMA3_JSON) -> ToolCalling | None:
+    """The chat body's tools, tool_choice and parallel_tool_calls (already schema-checked), calls written in
+    `call_format`; None without tools."""
     tools = tuple(fields.get("tools") or ())
     choice = fields.get("tool_choice")
     function = choice["function"]["name"] if isinstance(choice, dict) else None
@@ -80,7 +83,8 @@ def tool_calling_from_body(fields: dict[str, Any]) -> ToolCalling | None:
     if function is not None and function not in names:
         raise InvalidRequestError(f"tool_choice names {function!r}, which is not one of the tools", param="tool_choice")
     return ToolCalling(tools=tools, choice="function" if function is not None else (choice or "auto"),
-                       function=function, parallel=fields.get("parallel_tool_calls") is not False)
+                       function=function, parallel=fields.get("parallel_tool_calls") is not False,
+                       format=call_format)
 
 
 def _check_parameters_object(schema: Any, param: str) -> None:
@@ -94,14 +98,14 @@ def _check_parameters_object(schema: Any, param: str) -> None:
                                   f"object), got type {json.dumps(schema['type'])}", param=param)
 
 
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    """One call of `function` in Llama's form, written without optional whitespace. The parameters schema sits one
-    level down, under properties/parameters, so its references to its own root ("#", "#/$defs/...", what pydantic
-    writes for enums and nested models) are re-rooted there."""
+def _call_schema(function: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+    """One call of `function`, `{"name": ..., <arguments_key>: {...}}`, written without optional whitespace. The
+    parameters schema sits one level down, under properties/<arguments_key>, so its references to its own root ("#",
+    "#/$defs/...", what pydantic writes for enums and nested models) are re-rooted there."""
     parameters = function.get("parameters") or {"type": "object"}
     return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             "parameters": _rerooted(parameters, "#/properties/parameters")},
-            "required": ["name", "parameters"], "additionalProperties": False,
+                                             arguments_key: _rerooted(parameters, f"#/properties/{arguments_key}")},
+            "required": ["name", arguments_key], "additionalProperties": False,
             "x-guidance": {"whitespace_flexible": False}}
 
 
@@ -117,8 +121,9 @@ def _rerooted(schema: Any, root: str) -> Any:
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages as chat templates read them: a call's arguments as an object, not JSON text (as transformers
-    and vLLM pass them); a tool message must name the call it answers, and every message but an assistant's calls
-    needs content."""
+    and vLLM pass them), and an assistant's calls without content with content "" (as vLLM passes them: templates
+    such as Qwen's read it); a tool message must name the call it answers, and every message but an assistant's
+    calls needs content."""
     rendered = []
     for index, message in enumerate(messages):
         if message.get("role") == "tool" and not message.get("tool_call_id"):
@@ -129,8 +134,9 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
             if message.get("role") != "assistant":
                 raise InvalidRequestError(f"messages[{index}]: only assistant messages take tool_calls",
                                           param="messages")
-            message = {**message, "tool_calls": [_template_call(call, f"messages[{index}].tool_calls[{number}]")
-                                                 for number, call in enumerate(message["tool_calls"])]}
+            message = {"content": "", **message,
+                       "tool_calls": [_template_call(call, f"messages[{index}].tool_calls[{number}]")
+                                      for number, call in enumerate(message["tool_calls"])]}
         elif message.get("content") is None:
             # As OpenAI answers: only an assistant message that makes calls may go without content.
             raise InvalidRequestError(f"messages[{index}]: a {message.get('role')} message needs content",
@@ -190,17 +196,20 @@ class ParsedCall:
 
 
 class ToolCallParser:
-    """Reads one answer's text, as it grows, into content and calls.
+    """Reads one answer's text, as it grows, into content and calls, in the tool calling's format.
 
-    With tool_choice auto the model decides: text that starts as a call of a declared function is read as calls,
-    anything else is content, held back only until that is clear. Text after the last call is dropped.
+    With tool_choice auto the model decides: text that starts as a call of a declared function is read as calls
+    (in formats where text may come first, from the format's trigger on), anything else is content, held back only
+    until that is clear; whitespace between text and the calls is dropped. Text after the last call is dropped.
     """
 
     def __init__(self, calling: ToolCalling):
         self._names = set(calling.names) if calling.choice != "function" else {calling.function}
         self._parallel = calling.parallel
-        self._pending = ""  # text not yet classified (a call head in the making)
-        self._state = "head"  # head, content, arguments, after_arguments, between, ignored
+        self._format = calling.format
+        self._pending = ""  # text not yet classified (a head in the making, whitespace that may precede calls)
+        # text (before any call, looking for the trigger), head, arguments, close, only_text, ignored
+        self._state = "text" if calling.format.trigger is not None else "head"
         self._depth = 0  # open braces and brackets inside the arguments
         self._in_string = False  # inside a JSON string of the arguments
         self._escaped = False  # after a backslash inside that string
@@ -210,48 +219,56 @@ class ToolCallParser:
     def feed(self, text: str) -> list[ParsedEvent]:
         """What `text`, the answer's next piece, adds."""
         events: list[ParsedEvent] = []
-        while text:
-            text = self._READERS[self._state](self, text, events)
+        self._pending += text
+        while self._pending and self._READERS[self._state](self, events):
+            pass
         return events
 
     def finish(self) -> list[ParsedEvent]:
-        """The answer ended: text still held back as a possible call head is content after all."""
+        """The answer ended: text held back (a possible head, whitespace before possible calls) is content after
+        all, unless calls were made."""
         events: list[ParsedEvent] = []
-        if self._state == "head" and self._pending and not self.calls:
+        if self._pending and not self.calls and self._state in ("text", "head"):
             events.append(self._content(self._pending))
         self._pending = ""
         return events
 
-    def _head(self, text: str, events: list[ParsedEvent]) -> str:
-        self._pending += text
-        match = _CALL_HEAD.match(self._pending)
-        if match is not None and match.group(1) in self._names:
-            rest = self._pending[match.end():]
-            self._pending = ""
-            call = ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=match.group(1), arguments="", complete=False)
+    # Each state's reader works on self._pending and says whether it should be called again (it changed state and
+    # left text for the next reader).
+
+    def _text(self, events: list[ParsedEvent]) -> bool:
+        """Content until the trigger; trailing whitespace waits, since whitespace before calls is dropped."""
+        before, rest = trigger_split(self._pending, self._format.trigger)
+        shown = before.rstrip()
+        if shown:
+            events.append(self._content(shown))
+        if rest is None:  # the whitespace, and a tail that may begin the trigger, wait
+            self._pending = self._pending[len(shown):]
+            return False
+        self._pending, self._state = rest, "head"
+        return True
+
+    def _head(self, events: list[ParsedEvent]) -> bool:
+        head = match_pieces(self._pending, self._format.next_head if self.calls else self._format.first_head)
+        if head.status == "maybe":
+            return False
+        if head.status == "match" and head.name in self._names:
+            call = ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=head.name, arguments="", complete=False)
             self.calls.append(call)
             events.append(CallStarted(len(self.calls) - 1, call.id, call.name))
-            self._state, self._depth = "arguments", 1
+            self._pending, self._state, self._depth = self._pending[head.end:], "arguments", 1
             events.append(self._arguments_piece("{"))
-            return rest
-        if match is not None or not self._may_become_head():
-            pending, self._pending = self._pending, ""
-            if self.calls:
-                self._state = "ignored"
-                return ""
-            self._state = "content"
-            events.append(self._content(pending))
-        return ""
+            return True
+        if self.calls:
+            self._state = "ignored"
+        else:
+            self._state = "only_text"
+            events.append(self._content(self._pending))
+        self._pending = ""
+        return False
 
-    def _may_become_head(self) -> bool:
-        stripped = self._pending.lstrip()
-        return len(self._pending) <= _HEAD_LIMIT and (not stripped or stripped[0] in "{<")
-
-    def _content(self, text: str) -> ContentText:
-        self.content.append(text)
-        return ContentText(text)
-
-    def _arguments(self, text: str, events: list[ParsedEvent]) -> str:
+    def _arguments(self, events: list[ParsedEvent]) -> bool:
+        text = self._pending
         for position, character in enumerate(text):
             if self._in_string:
                 self._escaped, self._in_string = (False, True) if self._escaped else (character == "\\",
@@ -265,41 +282,40 @@ class ToolCallParser:
                 if self._depth == 0:
                     events.append(self._arguments_piece(text[:position + 1]))
                     self.calls[-1].complete = True
-                    self._state = "after_arguments"
-                    return text[position + 1:]
+                    self._pending, self._state = text[position + 1:], "close"
+                    return True
         events.append(self._arguments_piece(text))
-        return ""
+        self._pending = ""
+        return False
+
+    def _close(self, events: list[ParsedEvent]) -> bool:
+        """The pieces that close the call, then (with parallel calls) the next call's head."""
+        closed = match_pieces(self._pending, self._format.call_close)
+        if closed.status == "maybe":
+            return False
+        self._state = "head" if closed.status == "match" and self._parallel else "ignored"
+        self._pending = self._pending[closed.end:] if self._state == "head" else ""
+        return self._state == "head"
+
+    def _only_text(self, events: list[ParsedEvent]) -> bool:
+        events.append(self._content(self._pending))
+        self._pending = ""
+        return False
+
+    def _ignored(self, events: list[ParsedEvent]) -> bool:
+        self._pending = ""
+        return False
+
+    def _content(self, text: str) -> ContentText:
+        self.content.append(text)
+        return ContentText(text)
 
     def _arguments_piece(self, text: str) -> CallArguments:
         self.calls[-1].arguments += text
         return CallArguments(len(self.calls) - 1, text)
 
-    def _after_arguments(self, text: str, events: list[ParsedEvent]) -> str:
-        """Whitespace, then the `}` that closes the call."""
-        rest = text.lstrip()
-        if rest:
-            self._state = "between" if rest[0] == "}" else "ignored"
-            return rest[1:] if rest[0] == "}" else ""
-        return ""
-
-    def _between(self, text: str, events: list[ParsedEvent]) -> str:
-        """Whitespace, then ";" and the next call (when parallel calls are allowed)."""
-        rest = text.lstrip()
-        if rest:
-            self._state = "head" if rest[0] == ";" and self._parallel else "ignored"
-            return rest[1:] if self._state == "head" else ""
-        return ""
-
-    def _in_content(self, text: str, events: list[ParsedEvent]) -> str:
-        events.append(self._content(text))
-        return ""
-
-    def _ignored(self, text: str, events: list[ParsedEvent]) -> str:
-        return ""
-
-    # Each state's reader takes the text and returns what it left for the next state.
-    _READERS = {"head": _head, "content": _in_content, "arguments": _arguments, "after_arguments": _after_arguments,
-                "between": _between, "ignored": _ignored}
+    _READERS = {"text": _text, "head": _head, "arguments": _arguments, "close": _close, "only_text": _only_text,
+                "ignored": _ignored}
 
 
 def parse_answer(text: str, calling: ToolCalling) -> ToolCallParser:

@@ -21,8 +21,10 @@ from jaxserve.openai.prompts import TokenizedPrompt
 from jaxserve.openai.requests import ChatCompletionRequestBody
 from jaxserve.openai.schema import parse_body
 from jaxserve.openai.request_limits import check_request_limits
-from jaxserve.openai.tool_calls import (ContentText, ToolCalling, ToolCallParser, delta_tool_calls,
-                                        tool_calling_from_body)
+from jaxserve.openai.answer_reader import AnswerReader
+from jaxserve.openai.reasoning import REASONING_FORMATS, Reasoning, reasoning_for_prompt
+from jaxserve.openai.tool_call_formats import TOOL_CALL_FORMATS
+from jaxserve.openai.tool_calls import ToolCalling, delta_tool_calls, tool_calling_from_body
 from jaxserve.openai.answers import ChatCompletionChunk, ChatCompletionResponse
 from jaxserve.outputs import CompletionDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -49,6 +51,7 @@ class ChatRequest:
     stream: bool  # answer as server-sent events
     usage: StreamUsage  # streaming: the usage events carry
     tool_calling: ToolCalling | None  # the tools offered and how they may be called; None without tools
+    reasoning: Reasoning | None  # how answers reason (--reasoning-parser); None: answers are content alone
     model: ServedModel  # the base model or the LoRA adapter it runs with
     constraints: tuple[ConstraintCheck, ...]  # output constraints and tool schemas to compile before it runs
 
@@ -83,7 +86,7 @@ async def create_chat_completion() -> Response:
         return await streamed_response(_chat_chunks(context, request, tally, chunk_id, created, model, counts), roles)
     [output] = await final_outputs(context, [request.prompt], request.params, tally, request.model.lora)
     return jsonify(chat_completion_body(output, model, request.params.logprobs or 0, context.tokenizer,
-                                        request.tool_calling))
+                                        request.tool_calling if request.reads_calls else None, request.reasoning))
 
 
 def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
@@ -93,25 +96,28 @@ def parse_chat_request(raw: bytes, context: ServerContext) -> ChatRequest:
                       context.max_model_len)
     model = resolve_model(body.model, context)
     fields = body.model_dump(exclude_none=True)
-    tool_calling = tool_calling_from_body(fields)
+    tool_calling = tool_calling_from_body(fields, TOOL_CALL_FORMATS[context.config.tool_call_parser])
     tool_checks = tool_schema_checks(tool_calling)
     prompt = conversation_prompt(fields["messages"], context, flag(fields, "add_generation_prompt", default=True),
                                  **chat_template_variables(fields, tool_calling))
+    reasoning = (reasoning_for_prompt(REASONING_FORMATS[context.config.reasoning_parser], prompt.text)
+                 if context.config.reasoning_parser is not None else None)
     params = sampling_params_from_body(fields, chat=True, default_max_tokens=default_max_tokens(
-        True, len(prompt.token_ids), context.max_model_len), tool_calling=tool_calling)
+        True, len(prompt.token_ids), context.max_model_len), tool_calling=tool_calling, reasoning=reasoning)
     check_request_limits(context.engine, [prompt], params, body_spellings(fields, chat=True))
     asked = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if getattr(body, asked) is not None:
         check_room_to_generate(len(prompt.token_ids), params.max_tokens, context.max_model_len, asked)
-    return ChatRequest(prompt, params, flag(fields, "stream"), stream_usage(fields), tool_calling, model,
+    return ChatRequest(prompt, params, flag(fields, "stream"), stream_usage(fields), tool_calling, reasoning, model,
                        (*tool_checks, *output_constraint_checks(params, fields, tool_calling)))
 
 
 async def _chat_chunks(context: ServerContext, request: ChatRequest, tally: TokenTally, chunk_id: str, created: int,
                        model: str, counts: ChoiceUsage) -> AsyncIterator[dict[str, Any]]:
     finished: list[RequestOutput] = []
-    readers = ([ToolCallParser(request.tool_calling) for _ in range(request.params.n)] if request.reads_calls
-               else None)
+    calling = request.tool_calling if request.reads_calls else None
+    readers = ([AnswerReader(request.reasoning, calling) for _ in range(request.params.n)]
+               if calling is not None or request.reasoning is not None else None)
     async with contextlib.aclosing(merged_events(context, [request.prompt], request.params, tally,
                                                  request.model.lora)) as events:
         async for _, event in events:
@@ -127,15 +133,18 @@ async def _chat_chunks(context: ServerContext, request: ChatRequest, tally: Toke
         yield usage_chunk(chunk_id, created, model, "chat.completion.chunk", usage(finished))
 
 
-def _said(delta: CompletionDelta, reader: ToolCallParser | None) -> tuple[dict[str, Any], str | None]:
-    """What a step's text adds to the answer (content, and with tools, calls begun or grown), and the finish reason
-    when it is the last step ("tool_calls" for an answer that called tools)."""
+def _said(delta: CompletionDelta, reader: AnswerReader | None) -> tuple[dict[str, Any], str | None]:
+    """What a step's text adds to the answer (content; with a reasoning parser, reasoning; with tools, calls begun or
+    grown), and the finish reason when it is the last step ("tool_calls" for an answer that called tools)."""
     if reader is None:
         return {"content": delta.text} if delta.text else {}, delta.finish_reason
-    events = reader.feed(delta.text) + (reader.finish() if delta.finish_reason else [])
-    content = "".join(event.text for event in events if isinstance(event, ContentText))
-    calls = delta_tool_calls(events)
-    said = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+    fed = reader.feed(delta.text)
+    last = reader.finish() if delta.finish_reason else None
+    reasoning = fed.reasoning + (last.reasoning if last else "")
+    content = fed.content + (last.content if last else "")
+    calls = delta_tool_calls(fed.call_events + (last.call_events if last else []))
+    said = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {}),
+            **({"tool_calls": calls} if calls else {})}
     return said, tool_finish_reason(delta.finish_reason, bool(reader.calls))
 
 

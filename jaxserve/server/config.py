@@ -7,8 +7,12 @@ import json
 from pathlib import Path
 
 from jaxserve.errors import ConfigError
+from jaxserve.openai.reasoning import REASONING_FORMATS
+from jaxserve.openai.tool_call_formats import TOOL_CALL_FORMATS
 
 METRICS_PREFIXES = ("jaxserve", "vllm")  # how /metrics may name its series (server/metrics.py)
+TOOL_CALL_PARSERS = tuple(TOOL_CALL_FORMATS)  # vLLM's --tool-call-parser names this server reads
+REASONING_PARSERS = tuple(REASONING_FORMATS)  # vLLM's --reasoning-parser names this server reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,10 @@ class ServerConfig:
     allow_unknown_fields: bool = False  # drop request fields no one declared instead of answering 400
     # (name, folder) of each LoRA adapter to serve from the start (--lora-modules); needs the engine's enable_lora
     lora_modules: tuple[tuple[str, str], ...] = ()
+    tool_call_parser: str = "llama3_json"  # how answers' tool calls are written (one of TOOL_CALL_PARSERS)
+    # How answers' reasoning is written (one of REASONING_PARSERS): it comes back as reasoning_content and output
+    # constraints apply after it; None: answers are content alone
+    reasoning_parser: str | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -52,6 +60,12 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if not self.served_model_names or not all(self.served_model_names):
             raise ConfigError("served_model_names must hold at least one non-empty name")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                              f"got {self.reasoning_parser!r}")
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ConfigError(f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, "
                               f"got {self.metrics_prefix!r}")

@@ -3,8 +3,8 @@
 EXTRAS ?=
 comma := ,
 # gpu-audit: JAX's CUDA plugin, with which tests/test_gpu_audit.py compiles the step programs for H100/H200 targets
-# (no GPU needed; about 4.9 GB of NVIDIA libraries).
-TEST_EXTRAS := test,parity,gpu-audit$(if $(EXTRAS),$(comma)$(EXTRAS))
+# (no GPU needed; about 4.9 GB of NVIDIA libraries). docs: mkdocs, with which tests/test_docs.py builds the site.
+TEST_EXTRAS := test,parity,gpu-audit,docs$(if $(EXTRAS),$(comma)$(EXTRAS))
 
 .PHONY: run test gpu-check
 

@@ -9,7 +9,7 @@ integer) and NaN or infinite numbers are refused.
 
 The models check types and shapes; value ranges (temperature >= 0, ...) stay with SamplingParams, which the
 offline API shares. The server's /openapi.json and the 400 messages both come from the models; field_table.py
-prints the README's table of every field from them.
+prints the table of every field from them (docs/reference/openai-fields.md).
 """
 
 from __future__ import annotations

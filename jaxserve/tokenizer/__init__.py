@@ -1,4 +1,4 @@
-"""Tokenizers for Llama-family models: encoding, decoding, streaming decode and chat templates.
+"""Tokenizers for the served models: encoding, decoding, streaming decode and chat templates.
 
 `load_tokenizer(model_dir)` picks the backend the folder needs: HF `tokenizers` for a `tokenizer.json` (Llama 3
 family), sentencepiece for a `tokenizer.model` (Llama 2 family).

@@ -35,7 +35,7 @@ PALLAS_INTERPRET_BACKEND = "pallas-interpret"
 ATTENTION_BACKEND_CHOICES = ("auto", PALLAS_BACKEND, XLA_BACKEND)
 MAX_TOKENS_POLICIES = ("cap", "reject")
 # --gemm-backend: how GPU step programs compile their projection GEMMs (jaxserve/runner/compile_options.py).
-GEMM_BACKENDS = ("auto", "cublas", "triton")
+GEMM_BACKENDS = ("auto", "cublas", "triton", "pallas")
 QUANTIZATIONS = ("int8", "fp8")  # --quantization: weight formats of jaxserve/model/quantization.py
 # --kv-cache-dtype: the model's dtype, or float8 (jaxserve/model/kv_quantization.py); fp8 is fp8_e4m3, as in vLLM.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -127,8 +127,11 @@ class EngineConfig:
                                       "device, CPU included)")
     gemm_backend: str = _setting("auto", "how a GPU step program's projection GEMMs compile: auto (cublas for "
                                  "unquantized weights, triton for int8/fp8 ones), cublas (cuBLAS reading each "
-                                 "layer's slice of the stacked weights in place) or triton (XLA's Triton GEMM "
-                                 "fusions, its default, which copy each layer's weight slices first)")
+                                 "layer's slice of the stacked weights in place), triton (XLA's Triton GEMM "
+                                 "fusions, its default, which copy each layer's weight slices first) or pallas "
+                                 "(as auto, but decode steps of up to 64 tokens multiply by int8/fp8 per-channel "
+                                 "weights with a Pallas kernel that reads each layer's rows in place; one GPU, or "
+                                 "any device with pallas_interpret)")
 
     # Speculative decoding: str (the flag's JSON) or dict (LLM(...)) on the way in, a SpeculativeConfig once created.
     speculative_config: str | dict | SpeculativeConfig | None = _setting(
@@ -294,6 +297,23 @@ class EngineConfig:
                               f"{platform!r}; add pallas_interpret (--pallas-interpret) to run the kernel through "
                               f"Pallas' interpreter, or choose xla")
         return XLA_BACKEND
+
+    def stacked_gemm(self, platform: str) -> str:
+        """How the step programs on `platform` multiply by layer-stacked quantized weights (model/quantization.py):
+        xla, or with gemm_backend pallas the kernel, compiled on a GPU or interpreted with pallas_interpret; the
+        compiled kernel off a GPU, or over several devices, is refused now rather than at compile time."""
+        if self.gemm_backend != PALLAS_BACKEND:
+            return XLA_BACKEND
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(f"{_named('gemm_backend')} pallas runs its kernel on one device; with tensor parallelism "
+                              "choose auto, cublas or triton")
+        if self.pallas_interpret:
+            return PALLAS_INTERPRET_BACKEND
+        if platform != "gpu":
+            raise ConfigError(f"{_named('gemm_backend')} pallas compiles its kernel through Triton for NVIDIA GPUs, but "
+                              f"JAX runs on {platform!r}; add pallas_interpret (--pallas-interpret) to run it through "
+                              "Pallas' interpreter, or choose auto")
+        return PALLAS_BACKEND
 
     def _check_gemm_backend(self) -> None:
         if self.gemm_backend not in GEMM_BACKENDS:

@@ -39,9 +39,14 @@ LLAMA_8B_INT8 = EngineSetup("8b-h100-int8", "configs/llama-3.1-8b-h100.yaml", {"
                             ("decode S=1", "decode S=64", "mixed T=2048 S=64"))
 LLAMA_8B_FP8 = EngineSetup("8b-h100-fp8", "configs/llama-3.1-8b-h100.yaml", {"quantization": "fp8"},
                            ("decode S=1", "decode S=64", "mixed T=2048 S=64"))
+# The same with --gemm-backend pallas: decode steps read the int8/fp8 stacks in place (kernels_pallas/quantized_matmul.py).
+LLAMA_8B_INT8_PALLAS = EngineSetup("8b-h100-int8-pallas", "configs/llama-3.1-8b-h100.yaml",
+                                   {"quantization": "int8", "gemm_backend": "pallas"}, ("decode S=1", "decode S=64"))
+LLAMA_8B_FP8_PALLAS = EngineSetup("8b-h100-fp8-pallas", "configs/llama-3.1-8b-h100.yaml",
+                                  {"quantization": "fp8", "gemm_backend": "pallas"}, ("decode S=1",))
 LLAMA_70B = EngineSetup("70b-8xh100", "configs/llama-3.1-70b-8xh100.yaml", {},
                         ("decode S=1", "decode S=64", "mixed T=8192 S=64"))
-ENGINE_SETUPS = (LLAMA_8B, LLAMA_8B_INT8, LLAMA_8B_FP8, LLAMA_70B)
+ENGINE_SETUPS = (LLAMA_8B, LLAMA_8B_INT8, LLAMA_8B_FP8, LLAMA_8B_INT8_PALLAS, LLAMA_8B_FP8_PALLAS, LLAMA_70B)
 
 
 def engine_key(setup: EngineSetup, program: str) -> str:

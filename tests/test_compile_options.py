@@ -14,6 +14,8 @@ from jaxserve.runner.compile_options import IN_PLACE_GEMMS, step_compiler_option
     ("gpu", "auto", True, {}),  # cuBLAS would widen int8/fp8 slices to bf16 in memory; Triton widens in its GEMM
     ("gpu", "cublas", True, IN_PLACE_GEMMS),
     ("gpu", "triton", False, {}),
+    ("gpu", "pallas", True, {}),  # the GEMMs its kernel does not take (steps of many tokens) compile as under auto
+    ("gpu", "pallas", False, IN_PLACE_GEMMS),
 ])
 def test_step_programs_compile_their_gemms_where_they_read_weights_in_place(platform, backend, quantized, expected):
     assert step_compiler_options(platform, backend, quantized) == expected
@@ -22,3 +24,21 @@ def test_step_programs_compile_their_gemms_where_they_read_weights_in_place(plat
 def test_an_unknown_gemm_backend_is_refused_by_its_flag():
     with pytest.raises(ConfigError, match="--gemm-backend"):
         EngineConfig(gemm_backend="cutlass")
+
+
+@pytest.mark.parametrize("settings, platform, expected", [
+    (dict(), "gpu", "xla"),
+    (dict(gemm_backend="pallas"), "gpu", "pallas"),
+    (dict(gemm_backend="pallas", pallas_interpret=True), "cpu", "pallas-interpret"),
+])
+def test_the_pallas_gemm_backend_gives_the_model_its_kernel(settings, platform, expected):
+    assert EngineConfig(**settings).stacked_gemm(platform) == expected
+
+
+@pytest.mark.parametrize("settings, platform, message", [
+    (dict(gemm_backend="pallas"), "cpu", "--pallas-interpret"),  # the compiled kernel needs an NVIDIA GPU
+    (dict(gemm_backend="pallas", tensor_parallel_size=2), "gpu", "one device"),
+])
+def test_the_pallas_gemm_backend_is_refused_where_its_kernel_cannot_run(settings, platform, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**settings).stacked_gemm(platform)

@@ -5,7 +5,7 @@ shapes no program hits it; `jaxserve compile --target cpu --out DIR` fills a sto
 `--target h100` one on this machine without a GPU; a program JAX's persistent cache hands back is never stored (it
 would not run once read back), checked across fresh processes sharing a cache folder.
 
-One engine shape throughout (the built-in model, one sequence of 8 tokens per step: 6 programs); programs rebuilt
+One engine shape throughout (the built-in model, one sequence of 8 tokens per step: 7 programs); programs rebuilt
 after the first compile come back from JAX's persistent compilation cache, so each rebuild costs a lowering.
 """
 
@@ -174,7 +174,8 @@ def _keys(**settings) -> dict[str, str]:
 
 
 TOP_LOGPROBS = {"step-T1-S1-penalties", "step-T16-S1-penalties", "step-T16-S1-prompt_logits-penalties",
-                "sampler-T1-S1"}  # the programs that compute top logprobs (a plain bucket's forward program does not)
+                "sampler-T1-S1", "sampler-T1-S1-untruncated"}  # the programs that compute top logprobs (a plain
+# bucket's forward program does not)
 STEPS = {"step-T1-S1", "step-T16-S1", "step-T1-S1-penalties", "step-T16-S1-penalties",
          "step-T16-S1-prompt_logits-penalties"}  # those taking the pool and block tables (samplers take logits)
 
@@ -228,8 +229,8 @@ def test_jaxserve_compile_for_an_h100_fills_a_store_on_a_machine_without_a_gpu(t
     (scope_file,) = out.glob(f"*/{SCOPE_FILE}")
     devices = json.loads(scope_file.read_text())["devices"]
     assert devices["platform"] == "gpu" and devices["kinds"] == ["NVIDIA H100 80GB HBM3"]
-    assert len(list(scope_file.parent.glob(f"*{ENTRY_SUFFIX}"))) == 6 and (scope_file.parent / "pool-8.json").is_file()
-    assert "6 programs in" in done.stdout and "(6 compiled)" in done.stdout
+    assert len(list(scope_file.parent.glob(f"*{ENTRY_SUFFIX}"))) == 7 and (scope_file.parent / "pool-8.json").is_file()
+    assert "7 programs in" in done.stdout and "(7 compiled)" in done.stdout
 
 
 def _probe(cache: Path, batched_tokens: int, *store: str) -> dict:

@@ -2,6 +2,7 @@
 dense reference decoder decodes with the weights they stand for rebuilt in full, and stays close to the unquantized
 model (tolerances that a wrong scale or a transposed weight would break)."""
 
+import functools
 import sys
 from pathlib import Path
 
@@ -36,9 +37,20 @@ def unquantized():
     return LLM(**LIMITS)
 
 
+# XLA's GEMMs on each layer's slice, and the Pallas kernel reading the layer's rows of the whole stack in place
+# (--gemm-backend pallas; interpreted here, compiled on a GPU), which steps of up to 64 tokens take.
+GEMMS = {"xla": {}, "pallas": dict(gemm_backend="pallas", pallas_interpret=True)}
+
+
+@functools.cache
+def quantized_llm(quantization: str, gemm: str) -> LLM:
+    return LLM(quantization=quantization, **LIMITS, **GEMMS[gemm])
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
-def test_the_engine_decodes_what_the_dense_reference_decodes_with_the_rebuilt_weights(quantization):
-    llm = LLM(quantization=quantization, **LIMITS)
+def test_the_engine_decodes_what_the_dense_reference_decodes_with_the_rebuilt_weights(quantization, gemm):
+    llm = quantized_llm(quantization, gemm)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     quantized = load_model(None, "float32", progress=False, quantization=quantization)
@@ -53,6 +65,25 @@ def test_the_engine_decodes_what_the_dense_reference_decodes_with_the_rebuilt_we
         np.testing.assert_allclose([lp[t].logprob for t, lp in zip(output.outputs[0].token_ids,
                                                                    output.outputs[0].logprobs)],
                                    [t.logprob for t in expected], atol=1e-4)
+
+
+def _kernels_in_step_programs(llm: LLM) -> dict[int, int]:
+    """Tokens of each step program (not the samplers) -> how many quantized_matmul kernels its trace calls."""
+    runner = llm.engine.runner
+    found = {}
+    for program in runner.programs.lowerings(llm.engine.config.num_kv_pages):
+        if not program.sampler:
+            call = program.call()
+            jaxpr = str(call.function.trace(*call.args, **call.static).jaxpr)
+            found[program.bucket.num_tokens] = jaxpr.count("name=quantized_matmul")
+    return found
+
+
+def test_the_pallas_gemm_backend_reads_the_quantized_stacks_with_the_kernel():
+    """Every step of this engine has at most 32 tokens, under IN_PLACE_MAX_ROWS: each program's scan calls the kernel
+    for its projections; with XLA's GEMMs none does."""
+    assert all(count > 0 for count in _kernels_in_step_programs(quantized_llm("int8", "pallas")).values())
+    assert set(_kernels_in_step_programs(quantized_llm("int8", "xla")).values()) == {0}
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)

@@ -4,7 +4,8 @@ A fusion reads each operand whole, except where its computation only slices or g
 slices), or updates it in place (a scatter or dynamic-update-slice target: only the updated part is touched); it
 writes its result, or only the updated part of an in-place result. A library call reads its operands whole, except
 an attention kernel's pages, which are data dependent: each pool operand is counted as the KV touched by one layer
-(ProgramFacts.kv_read_per_call_bytes). Caches are ignored: this is the traffic to and from device memory if nothing
+(ProgramFacts.kv_read_per_call_bytes); and a layer-stacked weight handed whole to a kernel (with the layer index, as
+kernels_pallas/quantized_matmul.py takes it), counted as one layer of it: such a kernel reads that layer's rows. Caches are ignored: this is the traffic to and from device memory if nothing
 stayed in L2, the figure a memory-bound step is measured by.
 """
 
@@ -45,7 +46,7 @@ def unit_traffic(module: HloModule, unit: Unit, facts: ProgramFacts, shapes: dic
                    for p, shape in zip(parameters, operand_shapes))
         return Traffic(read, _root_written(module, fused, _result(instruction)))
     if instruction.opcode == "custom-call":
-        read = sum(facts.kv_read_per_call_bytes if _is_pool(origin, facts) else shape.bytes
+        read = sum(facts.kv_read_per_call_bytes if _is_pool(origin, facts) else _library_read(origin, shape, facts)
                    for origin, shape in zip(unit.operand_origins, operand_shapes))
         return Traffic(read, library_result_bytes(instruction.shape))
     if instruction.opcode in _SLICING:
@@ -54,6 +55,15 @@ def unit_traffic(module: HloModule, unit: Unit, facts: ProgramFacts, shapes: dic
         update = _update_operand(instruction, operand_shapes)
         return Traffic(update.bytes, update.bytes)
     return Traffic(sum(shape.bytes for shape in operand_shapes), _result(instruction).bytes)
+
+
+def _library_read(origin, shape: Shape, facts: ProgramFacts) -> int:
+    """A library call's read of one operand: whole, but one layer's share of a whole layer-stacked weight."""
+    argument = facts.arguments[origin.argument] if origin is not None else None
+    if (argument is None or argument.role is not Role.WEIGHT or argument.layer_axis is None
+            or shape.bytes != argument.bytes):
+        return shape.bytes
+    return shape.bytes // argument.shard_dims[argument.layer_axis]
 
 
 def _is_pool(origin, facts: ProgramFacts) -> bool:

@@ -24,8 +24,10 @@ from flax import nnx
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.lora import LayerLora, LoraStack
-from jaxserve.model.quantization import WeightFormat, scale_shape, scaled_matmul, weight_format
+from jaxserve.model.quantization import (PALLAS_INTERPRET_GEMM, XLA_GEMM, WeightFormat, is_stacked_quantized_weight,
+                                         reads_in_place, scale_shape, scaled_matmul, weight_format)
 from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from kernels_pallas.quantized_matmul import fits, quantized_matmul
 
 # The window of a full-attention layer in a model whose other layers slide: wider than any context, masking nothing.
 FULL_ATTENTION_WINDOW = 1 << 30
@@ -62,10 +64,29 @@ class QuantizedLinear(nnx.Module):
         y = scaled_matmul(x, self.weight[...], self.weight_scale[...], self.block)
         return y if self.bias is None else y + self.bias[...]
 
+    def from_stack(self, x: jax.Array, layer: jax.Array, stacked_gemm: str) -> jax.Array:
+        """The same product where weight and weight_scale hold every layer (q[L, out, in], f32[L, ...]) and `layer`
+        (i32[]) says which: per-channel weights the kernel tiles are read in place by it; others are sliced, as the
+        scan would have."""
+        q, scale = self.weight[...], self.weight_scale[...]
+        out_features, in_features = q.shape[-2:]
+        if self.block is not None or not fits(in_features, out_features):
+            y = scaled_matmul(x, q[layer], scale[layer], self.block)
+        else:
+            rows = x.reshape(-1, in_features)  # f[B * T, in]
+            y = quantized_matmul(rows, q, scale, layer, interpret=stacked_gemm == PALLAS_INTERPRET_GEMM)
+            y = y.reshape(*x.shape[:-1], out_features)
+        return y if self.bias is None else y + self.bias[...]
 
-def _adapted(projection: nnx.Module, name: str, x: jax.Array, lora: LayerLora | None) -> jax.Array:
-    """The projection's output plus, with adapters, each token's own adapter delta."""
-    y = projection(x)
+
+def _adapted(projection: nnx.Module, name: str, x: jax.Array, lora: LayerLora | None, layer: jax.Array,
+             stacked_gemm: str = XLA_GEMM) -> jax.Array:
+    """The projection's output plus, with adapters, each token's own adapter delta. Under `stacked_gemm` other than
+    xla, a quantized projection holds every layer's weight and reads layer `layer`'s."""
+    if stacked_gemm != XLA_GEMM and isinstance(projection, QuantizedLinear):
+        y = projection.from_stack(x, layer, stacked_gemm)
+    else:
+        y = projection(x)
     return y if lora is None else y + lora.delta(name, x)
 
 
@@ -122,11 +143,12 @@ class Attention(nnx.Module):
         self.head_dim = hd
 
     def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array, lora: LayerLora | None = None,
-                 window: jax.Array | None = None):
+                 window: jax.Array | None = None, stacked_gemm: str = XLA_GEMM):
         batch, tokens, _ = x.shape
-        q = _adapted(self.q_proj, "q_proj", x, lora).reshape(batch, tokens, self.heads, self.head_dim)
-        k = _adapted(self.k_proj, "k_proj", x, lora).reshape(batch, tokens, self.kv_heads, self.head_dim)
-        v = _adapted(self.v_proj, "v_proj", x, lora).reshape(batch, tokens, self.kv_heads, self.head_dim)
+        gemm = dict(layer=layer, stacked_gemm=stacked_gemm)
+        q = _adapted(self.q_proj, "q_proj", x, lora, **gemm).reshape(batch, tokens, self.heads, self.head_dim)
+        k = _adapted(self.k_proj, "k_proj", x, lora, **gemm).reshape(batch, tokens, self.kv_heads, self.head_dim)
+        v = _adapted(self.v_proj, "v_proj", x, lora, **gemm).reshape(batch, tokens, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -134,7 +156,8 @@ class Attention(nnx.Module):
         # and refuse a windowed one (a TypeError) rather than silently attending over the full context.
         windowed = {} if window is None else {"window": window}
         out, cache = cache.update_and_attend(layer, q, k, v, positions, scale=self.head_dim**-0.5, **windowed)
-        return _adapted(self.o_proj, "o_proj", out.reshape(batch, tokens, self.heads * self.head_dim), lora), cache
+        return _adapted(self.o_proj, "o_proj", out.reshape(batch, tokens, self.heads * self.head_dim), lora,
+                        **gemm), cache
 
 
 class MLP(nnx.Module):
@@ -147,10 +170,12 @@ class MLP(nnx.Module):
         self.up_proj = _projection(quantization, cfg.hidden_size, cfg.intermediate_size, **linear)
         self.down_proj = _projection(quantization, cfg.intermediate_size, cfg.hidden_size, **linear)
 
-    def __call__(self, x: jax.Array, lora: LayerLora | None = None) -> jax.Array:
-        gate = jax.nn.silu(_adapted(self.gate_proj, "gate_proj", x, lora))
-        hidden = gate * _adapted(self.up_proj, "up_proj", x, lora)
-        return _adapted(self.down_proj, "down_proj", hidden, lora)
+    def __call__(self, x: jax.Array, lora: LayerLora | None = None, layer: jax.Array | None = None,
+                 stacked_gemm: str = XLA_GEMM) -> jax.Array:
+        gemm = dict(layer=layer, stacked_gemm=stacked_gemm)
+        gate = jax.nn.silu(_adapted(self.gate_proj, "gate_proj", x, lora, **gemm))
+        hidden = gate * _adapted(self.up_proj, "up_proj", x, lora, **gemm)
+        return _adapted(self.down_proj, "down_proj", hidden, lora, **gemm)
 
 
 class DecoderLayer(nnx.Module):
@@ -166,10 +191,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, **projections)
 
     def __call__(self, x, cos, sin, positions, cache: KVCache, layer: jax.Array, lora: LayerLora | None = None,
-                 window: jax.Array | None = None):
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, lora, window)
+                 window: jax.Array | None = None, stacked_gemm: str = XLA_GEMM):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, lora, window,
+                                         stacked_gemm)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x), lora), cache
+        return x + self.mlp(self.post_attention_layernorm(x), lora, layer, stacked_gemm), cache
 
 
 class LlamaModel(nnx.Module):
@@ -187,11 +213,21 @@ class LlamaModel(nnx.Module):
         self.layer_windows = cfg.layer_windows  # static: each layer's sliding window, None for full attention
 
     def __call__(self, tokens, positions, cache: KVCache, lora: LoraStack | None = None,
-                 token_slots: jax.Array | None = None):
+                 token_slots: jax.Array | None = None, stacked_gemm: str = XLA_GEMM):
+        """`stacked_gemm` (static; model/quantization.py): with "pallas" (or "pallas_interpret"), a step of at most
+        IN_PLACE_MAX_ROWS tokens keeps the quantized weights out of the scan, whole, and its projections read each
+        layer's rows of them in place."""
         # A trace-time numpy constant, so it never becomes a parameter.
         cos, sin = rotary_cos_sin(positions, inverse_frequencies(self.rope, self.head_dim))
         x = self.embed_tokens(tokens)
-        layer_def, stacked = nnx.split(self.layers)
+        if not reads_in_place(stacked_gemm, tokens.size):
+            stacked_gemm = XLA_GEMM
+        # `stacked` is scanned (one layer's slice each iteration); `whole`, the quantized weights when the kernel
+        # reads them in place, is not.
+        if stacked_gemm == XLA_GEMM:
+            (layer_def, stacked), whole = nnx.split(self.layers), None
+        else:
+            layer_def, whole, stacked = nnx.split(self.layers, is_stacked_quantized_weight, ...)
 
         def run_layer(carry, layer_inputs):
             x, cache = carry
@@ -199,8 +235,9 @@ class LlamaModel(nnx.Module):
             # window i32[] (or None).
             params, index, slots, window = layer_inputs
             layer_lora = None if slots is None else LayerLora(slots.a, slots.b, token_slots)
+            layer = nnx.merge(layer_def, params) if whole is None else nnx.merge(layer_def, whole, params)
             with jax.named_scope("decoder_layer"):
-                return nnx.merge(layer_def, params)(x, cos, sin, positions, cache, index, layer_lora, window), None
+                return layer(x, cos, sin, positions, cache, index, layer_lora, window, stacked_gemm), None
 
         layer_indices = jnp.arange(self.num_layers, dtype=jnp.int32)  # i32[num_layers]
         (x, cache), _ = jax.lax.scan(run_layer, (x, cache), (stacked, layer_indices, lora, self._windows()))
@@ -237,8 +274,9 @@ class LlamaForCausalLM(nnx.Module):
         cache: KVCache,
         lora: LoraStack | None = None,  # adapter slots; None: the base model alone
         token_slots: jax.Array | None = None,  # i32[batch * tokens]: each token's adapter slot, with `lora`
+        stacked_gemm: str = XLA_GEMM,  # static: how quantized projections read their weights (LlamaModel)
     ) -> tuple[jax.Array, KVCache]:  # f[batch, tokens, hidden], updated cache
-        return self.model(tokens, positions, cache, lora, token_slots)
+        return self.model(tokens, positions, cache, lora, token_slots, stacked_gemm)
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # f32[..., vocab] from f[..., hidden]
         weight = self.model.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]

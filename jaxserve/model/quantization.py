@@ -16,6 +16,12 @@ least as accurate as the W8A8 matmuls the checkpoints' static or dynamic activat
 `dequantize` is the plain reference for both layouts: the weight rebuilt in full, for a dense model to run.
 
 Embeddings, norms and lm_head stay unquantized, as vLLM leaves them.
+
+Inside the decoder's layer scan, XLA reads a per-channel weight's layer slice either by copying it out of the stack
+first (its Triton GEMM fusion) or by widening it to the activations' dtype in memory (cuBLAS): each weight byte is
+moved three to five times. With `stacked_gemm` "pallas" the model keeps the quantized weights out of the scan and
+hands each projection the whole stack and the layer index; kernels_pallas/quantized_matmul.py then reads the layer's
+rows in place and widens them in registers (`reads_in_place` says where it applies).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import QUANTIZATIONS
+from jaxserve.config import PALLAS_BACKEND, PALLAS_INTERPRET_BACKEND, QUANTIZATIONS, XLA_BACKEND
 from jaxserve.errors import ConfigError
 
 
@@ -43,10 +49,20 @@ class WeightFormat:
     block: tuple[int, int] | None = None
 
 
+# How a step program multiplies by layer-stacked quantized weights (EngineConfig.stacked_gemm): XLA on each layer's
+# slice, or the Pallas kernel on the whole stack (compiled for a GPU, or interpreted on any device).
+XLA_GEMM, PALLAS_GEMM, PALLAS_INTERPRET_GEMM = XLA_BACKEND, PALLAS_BACKEND, PALLAS_INTERPRET_BACKEND
+STACKED_GEMMS = (XLA_GEMM, PALLAS_GEMM, PALLAS_INTERPRET_GEMM)
+# The most tokens a step may have for its projections to take the kernel: decode steps, bound by reading the weights.
+# More rows are compute-bound, where XLA's GEMMs are the faster (and the slice copy is spread over the rows).
+IN_PLACE_MAX_ROWS = 64
+
+
 WEIGHT_FORMATS = {
     "int8": WeightFormat("int8", np.dtype(jnp.int8), 127.0, rounds=True),
     "fp8": WeightFormat("fp8", np.dtype(jnp.float8_e4m3fn), float(jnp.finfo(jnp.float8_e4m3fn).max), rounds=False),
 }
+QUANTIZED_DTYPES = tuple(fmt.dtype for fmt in WEIGHT_FORMATS.values())  # what a quantized weight is stored in
 SCALE_SUFFIX = "_scale"  # `...q_proj.weight_scale` beside `...q_proj.weight`
 
 
@@ -105,3 +121,15 @@ def scaled_matmul(x: jax.Array, q: jax.Array, scale: jax.Array,
         return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
     y = jnp.einsum("...i,oi->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
+
+
+def reads_in_place(stacked_gemm: str, rows: int) -> bool:
+    """Whether a step of `rows` tokens multiplies by its quantized weights on the whole stacks (the Pallas kernel)."""
+    if stacked_gemm not in STACKED_GEMMS:
+        raise ValueError(f"stacked_gemm must be one of {', '.join(STACKED_GEMMS)}, got {stacked_gemm!r}")
+    return stacked_gemm != XLA_GEMM and rows <= IN_PLACE_MAX_ROWS
+
+
+def is_stacked_quantized_weight(path: tuple, variable) -> bool:
+    """An nnx filter: a quantized projection's weight or scales, which a step reading in place keeps out of the scan."""
+    return path[-1] == "weight_scale" or (path[-1] == "weight" and variable.get_value().dtype in QUANTIZED_DTYPES)

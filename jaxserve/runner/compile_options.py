@@ -27,8 +27,9 @@ IN_PLACE_GEMMS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_thres
 
 def step_compiler_options(platform: str, gemm_backend: str, quantized_weights: bool) -> dict[str, Any]:
     """The options of a step program (forward, whole step, scoring, verifying) on `platform` (a JAX device's
-    platform), for the configured gemm_backend ("auto", "cublas" or "triton")."""
+    platform), for the configured gemm_backend ("auto", "cublas", "triton", or "pallas": as auto for the GEMMs its
+    kernel does not take)."""
     if platform != "gpu":
         return {}
-    chosen = gemm_backend if gemm_backend != "auto" else (TRITON if quantized_weights else CUBLAS)
+    chosen = gemm_backend if gemm_backend in (CUBLAS, TRITON) else (TRITON if quantized_weights else CUBLAS)
     return dict(IN_PLACE_GEMMS) if chosen == CUBLAS else {}

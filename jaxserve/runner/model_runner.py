@@ -145,12 +145,13 @@ class ModelRunner:
             mask_width=self._masks.width)
         # The compiled programs of every bucket (compiled by warm_up) and their transfer buffers' layouts: a
         # pooling engine's (--runner pooling) pool hidden states instead of sampling (run_pooling)
-        step_options = step_compiler_options(self.mesh.devices.flat[0].platform, config.gemm_backend,
-                                             _has_quantized_weights(params))
+        platform = self.mesh.devices.flat[0].platform
+        step_options = step_compiler_options(platform, config.gemm_backend, _has_quantized_weights(params))
         self.programs = (PoolingPrograms(graphdef, arguments, config, self.buckets, step_options, self.guard)
                          if config.pooling else
                          StepPrograms(graphdef, arguments, config, model_config.vocab_size, self.buckets, self.inputs,
-                                      step_options, self.guard))
+                                      step_options, self.guard, config.stacked_gemm(platform),
+                                      self.mesh.abstract_mesh if compile_only else None))
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
         # The per-step broadcast when the mesh spans processes; None on one process.
         self._channel = (StepChannel(self.buckets.all_buckets(), self._padding_message) if spans_processes(self.mesh)

@@ -62,9 +62,15 @@ class ProgramCall:
     name: str  # which function it is, e.g. "run_packed_step"
     args: tuple  # positional arguments: pytrees of jax.ShapeDtypeStruct (None where absent)
     static: dict  # its static keyword arguments (the transfer layout, logprob and row counts)
+    # The mesh to lower under when its devices are described, not present (a GPU target compiled on any machine):
+    # Pallas asks it which GPU its kernels lower for. None: the devices at hand say. Not part of the key.
+    abstract_mesh: Any = None
 
     def lower(self) -> jax.stages.Lowered:
-        return self.function.lower(*self.args, **self.static)
+        if self.abstract_mesh is None:
+            return self.function.lower(*self.args, **self.static)
+        with jax.sharding.use_abstract_mesh(self.abstract_mesh):
+            return self.function.lower(*self.args, **self.static)
 
     def signature(self) -> str:
         """Every input of the program as text: the same text in every process, whatever the order of start-up."""

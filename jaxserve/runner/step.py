@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.lora import LoraStack
 from jaxserve.model.paged_kv_cache import PagedAttentionMetadata, PagedKVCache
+from jaxserve.model.quantization import XLA_GEMM
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.sampler import SamplerOutput, SamplingTensors, describe_tokens, sample
 from jaxserve.runner.speculative import DraftArrays, VerifiedDrafts, verify_drafts
@@ -77,11 +78,13 @@ def run_packed_step(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCach
                     lora: LoraStack | None,  # the adapter slots; None: no adapters
                     layout: PackedLayout,  # static: the bucket's
                     num_top_logprobs: int,  # static
-                    logits_shardings: LogitsShardings | None = None) -> tuple[StepResult, PagedKVCache]:
+                    logits_shardings: LogitsShardings | None = None,
+                    stacked_gemm: str = XLA_GEMM) -> tuple[StepResult, PagedKVCache]:  # static (model/quantization.py)
     """`run_step` on inputs that arrived in one transfer (and the masks)."""
     arrays = layout.unpack(packed)
     arrays = dataclasses.replace(arrays, sampling=dataclasses.replace(arrays.sampling, allowed=allowed))
-    return run_step(graphdef, params, pool, previous_tokens, arrays, num_top_logprobs, logits_shardings, lora)
+    return run_step(graphdef, params, pool, previous_tokens, arrays, num_top_logprobs, logits_shardings, lora,
+                    stacked_gemm)
 
 
 def run_packed_forward(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, previous_tokens: jax.Array,
@@ -92,11 +95,12 @@ def run_packed_forward(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVC
                        layout: PackedLayout,  # static: the bucket's
                        sampling_words: int,  # static
                        logits_shardings: LogitsShardings | None = None,
+                       stacked_gemm: str = XLA_GEMM,  # static: how quantized weights are read (model/quantization.py)
                        ) -> tuple[tuple[jax.Array, jax.Array], PagedKVCache]:
     """A plain step's first program: (f32[S, vocab], the logits of the rows to sample, whole on every device;
     i32[sampling_words], the packed sampling tensors for the second program: one transfer serves both)."""
     _, arrays = layout.unpack(packed)
-    model, hidden, pool = _run_layers(graphdef, params, pool, previous_tokens, arrays, lora)
+    model, hidden, pool = _run_layers(graphdef, params, pool, previous_tokens, arrays, lora, stacked_gemm)
     with jax.named_scope("logits"):
         logits = _gathered_logits(model, hidden[0, arrays.sample_index], logits_shardings)  # f32[S, vocab]
     return (logits, packed[:sampling_words]), pool.without_metadata()
@@ -125,8 +129,9 @@ def run_step(
     num_top_logprobs: int,  # static
     logits_shardings: LogitsShardings | None = None,  # None: one device, logits as computed
     lora: LoraStack | None = None,  # the adapter slots, read at arrays.lora_slots; None: no adapters
+    stacked_gemm: str = XLA_GEMM,  # static: how quantized weights are read (model/quantization.py)
 ) -> tuple[StepResult, PagedKVCache]:
-    model, hidden, pool = _run_layers(graphdef, params, pool, previous_tokens, arrays, lora)
+    model, hidden, pool = _run_layers(graphdef, params, pool, previous_tokens, arrays, lora, stacked_gemm)
     verified = None
     if arrays.drafts is None:
         with jax.named_scope("logits"):
@@ -151,14 +156,15 @@ def run_step(
 
 
 def _run_layers(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, previous_tokens: jax.Array,
-                arrays: StepArrays, lora: LoraStack | None) -> tuple[LlamaForCausalLM, jax.Array, PagedKVCache]:
+                arrays: StepArrays, lora: LoraStack | None,
+                stacked_gemm: str = XLA_GEMM) -> tuple[LlamaForCausalLM, jax.Array, PagedKVCache]:
     """The model, the final hidden states f[1, T, hidden] of the step's tokens and the pool they were written to."""
     model = nnx.merge(graphdef, params)
     tokens = jnp.where(arrays.pending_rows >= 0, previous_tokens[jnp.maximum(arrays.pending_rows, 0)],
                        arrays.token_ids)  # i32[T]
     with jax.named_scope("layers"):
         hidden, pool = model(tokens[None], arrays.positions[None], pool.with_metadata(arrays.metadata), lora,
-                             arrays.lora_slots)
+                             arrays.lora_slots, stacked_gemm)
     return model, hidden, pool
 
 

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.model.paged_kv_cache import PagedKVCache
+from jaxserve.model.quantization import XLA_GEMM
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard, counting_compiles
 from jaxserve.runner.packed_inputs import PackedLayout
@@ -108,7 +109,7 @@ class StepPrograms:
 
     def __init__(self, graphdef: nnx.GraphDef, arguments: AbstractArguments, config: EngineConfig,
                  vocab_size: int, buckets: BucketSet, inputs: StepInputBuilder, step_options: dict,
-                 guard: CompileGuard):
+                 guard: CompileGuard, stacked_gemm: str = XLA_GEMM, lowering_mesh=None):
         self._arguments = arguments
         self._config = config
         self._vocab_size = vocab_size
@@ -116,11 +117,16 @@ class StepPrograms:
         self._inputs = inputs  # gives each bucket's padding inputs: the shapes its transfer buffer packs
         self._step_options = step_options  # XLA options of the step programs (samplers keep the defaults)
         self._guard = guard
+        # How the step programs read quantized weights (model/quantization.py): a static argument of each, so that
+        # it keys them in a program store
+        self._stacked_gemm = stacked_gemm
+        # The abstract mesh of devices that are described, not present (ProgramCall.abstract_mesh); None: at hand
+        self._lowering_mesh = lowering_mesh
         self._step = jax.jit(functools.partial(run_packed_step, graphdef, logits_shardings=arguments.logits),
-                             static_argnames=("layout", "num_top_logprobs"), donate_argnames="pool",
+                             static_argnames=("layout", "num_top_logprobs", "stacked_gemm"), donate_argnames="pool",
                              out_shardings=(arguments.replicated, arguments.pool_shardings))
         self._forward = jax.jit(functools.partial(run_packed_forward, graphdef, logits_shardings=arguments.logits),
-                                static_argnames=("layout", "sampling_words"), donate_argnames="pool",
+                                static_argnames=("layout", "sampling_words", "stacked_gemm"), donate_argnames="pool",
                                 out_shardings=(arguments.replicated, arguments.pool_shardings))
         self._sampling = jax.jit(run_packed_sampling,
                                  static_argnames=("layout", "num_top_logprobs", "max_rows", "truncation"),
@@ -228,11 +234,13 @@ class StepPrograms:
         if splits(bucket):
             return ProgramCall(self._forward, "run_packed_forward",
                                (arguments.params, pool, arguments.last_tokens, packed, arguments.lora),
-                               dict(layout=layout, sampling_words=self._sampling_layout(bucket.num_seqs).size))
+                               dict(layout=layout, sampling_words=self._sampling_layout(bucket.num_seqs).size,
+                                    stacked_gemm=self._stacked_gemm), self._lowering_mesh)
         return ProgramCall(self._step, "run_packed_step",
                            (arguments.params, pool, arguments.last_tokens, packed,
                             self._abstract_allowed(bucket.num_seqs), arguments.lora),
-                           dict(layout=layout, num_top_logprobs=self._config.max_logprobs))
+                           dict(layout=layout, num_top_logprobs=self._config.max_logprobs,
+                                stacked_gemm=self._stacked_gemm), self._lowering_mesh)
 
     def _lower_sampling(self, num_rows: int, truncation: bool = True) -> jax.stages.Lowered:
         """The sampler of plain steps of `num_rows` rows, with or without truncation."""

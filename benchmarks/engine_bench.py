@@ -81,6 +81,7 @@ class EngineVariant:
     quantization: str | None = None  # --quantization of the random weights (quantized on the device)
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
     xla_flags: str = ""  # added to XLA_FLAGS in this engine's process (XLA:GPU settings under test)
+    gemm_backend: str = "auto"  # --gemm-backend
 
 
 # XLA:GPU runs the scanned layers' loop as one launch of the body per layer (its trip count is known, so no host
@@ -93,6 +94,9 @@ ENGINE_VARIANTS = {
     XLA_BACKEND: EngineVariant(XLA_BACKEND),
     "pallas-int8": EngineVariant(PALLAS_BACKEND, "int8"),
     "pallas-fp8": EngineVariant(PALLAS_BACKEND, "fp8"),
+    # int8 / fp8 decode through the Pallas W8A16 kernel reading the stacked weights in place (--gemm-backend pallas)
+    "pallas-int8-gemm-pallas": EngineVariant(PALLAS_BACKEND, "int8", gemm_backend="pallas"),
+    "pallas-fp8-gemm-pallas": EngineVariant(PALLAS_BACKEND, "fp8", gemm_backend="pallas"),
     "pallas-kv-fp8": EngineVariant(PALLAS_BACKEND, kv_cache_dtype="fp8"),
     "pallas-fp8-kv-fp8": EngineVariant(PALLAS_BACKEND, "fp8", "fp8"),
     "pallas-graphed-loop": EngineVariant(PALLAS_BACKEND, xla_flags=GRAPHED_LOOP_FLAGS),
@@ -207,7 +211,7 @@ def engine_config(settings: EngineSettings, variant: EngineVariant) -> EngineCon
     return EngineConfig(max_model_len=settings.max_model_len, max_num_seqs=settings.max_batch,
                         max_num_batched_tokens=settings.max_num_batched_tokens, block_size=settings.page_size,
                         num_kv_pages=pages, attention_backend=variant.backend, quantization=variant.quantization,
-                        kv_cache_dtype=variant.kv_cache_dtype,
+                        kv_cache_dtype=variant.kv_cache_dtype, gemm_backend=variant.gemm_backend,
                         # The interpreter applies to the kernel only.
                         pallas_interpret=settings.interpret and variant.backend != XLA_BACKEND, seed=settings.seed)
 

@@ -137,10 +137,11 @@ PARTS = [
 PARTS += [
     Part("quantized_engine", 3, 300, 240, "gpu_parts.engine_speed:run",
          dict(args=["--engine-batches", "1", "64", "--engine-prompt-len", "256", "--engine-batched-tokens", "1024",
-                    "--engine-rounds", "2", "--engine-variants", "pallas", "pallas-int8", "pallas-fp8",
-                    "pallas-fp8-kv-fp8", "--engine-grow-memory", "--engine-mem-fraction", "0.9"]),
-         dict(args=[*ENGINE_SMOKE_ARGS, "--engine-variants", "pallas", "pallas-fp8-kv-fp8"]),
-         "decode with int8 / fp8 weights and an fp8 KV cache against bf16, batch 1 and 64, in one run",
+                    "--engine-rounds", "2", "--engine-variants", "pallas", "pallas-int8", "pallas-int8-gemm-pallas",
+                    "pallas-fp8", "pallas-fp8-gemm-pallas", "--engine-grow-memory", "--engine-mem-fraction", "0.9"]),
+         dict(args=[*ENGINE_SMOKE_ARGS, "--engine-variants", "pallas", "pallas-int8-gemm-pallas"]),
+         "decode with int8 / fp8 weights, through XLA's GEMMs and through the Pallas W8A16 kernel (--gemm-backend "
+         "pallas), against bf16, batch 1 and 64, in one run",
          plot="quantized_engine.png"),
     Part("serve", 3, 190, 180, "gpu_parts.serving:run",
          dict(model="llama-3.1-8b", dtype="bfloat16", config="configs/llama-3.1-8b-h100.yaml", concurrency=[16, 64],

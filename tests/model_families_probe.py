@@ -9,7 +9,10 @@ python -m tests.model_families_probe WORK_DIR STYLE... (from the repository root
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+# Only when run: the tests import RUNS and prompts from here, and an 8-device XLA_FLAGS in the pytest process would
+# reach every process it starts (a `jaxserve generate --tensor-parallel-size 2` expected to fail would then run).
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -18,14 +21,14 @@ from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR  # noqa: E402
 
 PALLAS = dict(attention_backend="pallas", pallas_interpret=True)  # the Pallas kernel, run by its interpreter on CPU
-# style -> (run name, tensor parallel size, engine switches). Each engine costs a compile, so each run checks what
-# the family's sharding adds (TP 1 is tests/test_model_families.py's engine parity, in process): Qwen2's q biases
-# split with their heads and its k/v biases repeated with the KV heads at TP 4 (2 KV heads); Qwen3's q/k norms
-# replicated at TP 2; Mistral's window masked by the Pallas kernel (interpreted) inside shard_map at TP 2.
+# style -> (run name, tensor parallel size, engine switches): every family at TP 2 and 4 (TP 1 is
+# tests/test_model_families.py's engine parity, in process). What the sharding adds: Qwen2's q biases split with
+# their heads and its k/v biases repeated with the KV heads at TP 4 (2 KV heads); Qwen3's q/k norms replicated;
+# Mistral's window masked by the Pallas kernel (interpreted) inside shard_map at TP 2, by XLA's at TP 4.
 RUNS: dict[str, tuple[tuple[str, int, dict], ...]] = {
-    "qwen2": (("tp4", 4, {}),),
-    "qwen3": (("tp2", 2, {}),),
-    "mistral": (("tp2-pallas", 2, PALLAS),),
+    "qwen2": (("tp2", 2, {}), ("tp4", 4, {})),
+    "qwen3": (("tp2", 2, {}), ("tp4", 4, {})),
+    "mistral": (("tp2-pallas", 2, PALLAS), ("tp4", 4, {})),
 }
 # Chunked prefill (prompts of up to 30 tokens in 16-token steps) and prefix caching on; 7 small programs per engine.
 ENGINE = dict(tokenizer=str(BUILTIN_MODEL_DIR), dtype="float32", max_model_len=64, max_num_seqs=2,

@@ -39,13 +39,11 @@ PAGE_SIZE = 8
 # Families the engine tests run: biases (Qwen2), q/k norms with tied embeddings (Qwen3), head_dim and a window on
 # every layer (Mistral).
 ENGINE_STYLES = ("qwen2", "qwen3", "mistral")
-# Each engine is a compile of its own, so the engine features run where the family changes what they do:
-# speculative decoding's verification and rollback under a sliding window (Mistral), and adapters on q and k that
-# are normed afterwards, with an explicit head_dim and tied embeddings (Qwen3). Elsewhere they are family-blind
-# (tests/test_engine.py and tests/test_lora_engine.py run them on Llama; a bias adds to a projection's output, as
-# an adapter's delta does, so Qwen2's biases change nothing for them).
-SPECULATIVE_STYLES = ("mistral",)
-LORA_STYLES = ("qwen3",)
+# Speculative decoding and LoRA on every family, one engine each: what each family changes for them is
+# verification and rollback under a sliding window (Mistral), adapters on q and k that are normed afterwards with an
+# explicit head_dim and tied embeddings (Qwen3), and biases beside the adapters' deltas (Qwen2).
+SPECULATIVE_STYLES = ENGINE_STYLES
+LORA_STYLES = ENGINE_STYLES
 # Chunked prefill (16-token steps for prompts of up to 30), prefix caching (prompts sharing 16 tokens) and
 # preemption (9 usable pages of 8 slots for two sequences of up to 46 tokens, 6 pages each) all on; two sequences
 # at a time, so that each engine compiles few programs.

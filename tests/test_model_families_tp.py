@@ -9,6 +9,7 @@ starts; the checkpoints and HF's answers are made here.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,9 @@ def test_each_tensor_parallel_run_gives_hf_greedy_tokens_and_logprobs(families, 
     report, expected = families
     assert_same_run(report[style][run], expected[style])
 
+
+
+def test_importing_the_probe_leaves_this_processs_devices_alone():
+    """The probe asks XLA for 8 host devices only when run: imported (for RUNS), it must not put that into the test
+    process's environment, which every process the suite starts inherits."""
+    assert "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")

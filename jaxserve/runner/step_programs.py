@@ -277,11 +277,13 @@ def compile_lowerings(programs: list[ProgramLowering], guard: CompileGuard,
     the next ones lower; `keep` receives each compiled program. With a `store`, a program kept there is loaded
     instead (not traced, lowered or compiled), and each one XLA compiled is written to it (the persistent cache off
     where the store asks to be filled: ProgramStore.compile_afresh). Two bars count programs lowered and ready, the
-    second with where they came from (store, compilation cache, compiled)."""
+    second with where they came from (store, compilation cache, compiled).
+
+    The store is read before any compile starts and written after the last one ends: XLA:CPU loads and serializes
+    executables through the same code generator its compiles use, and an XLA:CPU compile crashed (a segfault) while
+    the store was read and written beside the compiling threads."""
     started = time.perf_counter()
-    lower_seconds = store_seconds = 0.0
     sources = collections.Counter()
-    saved = 0
 
     def compile_watched(lowered: jax.stages.Lowered, compiler_options: dict) -> tuple[jax.stages.Compiled, str]:
         with guard.watch(), counting_compiles() as counts:
@@ -295,32 +297,38 @@ def compile_lowerings(programs: list[ProgramLowering], guard: CompileGuard,
         compiled_bar.update()
 
     afresh = store is not None and store.compile_afresh
-    with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
-          compiling_afresh() if afresh else contextlib.nullcontext(),
-          _program_bar("lower", len(programs), progress) as lowered_bar,
+    with (compiling_afresh() if afresh else contextlib.nullcontext(),
           _program_bar("compile", len(programs), progress) as compiled_bar):
-        compiling = {}
+        store_started = time.perf_counter()
+        pending = []  # (program, its store key and call, or None): those the store does not hold
         for program in programs:
-            store_started = time.perf_counter()
             stored = _stored_as(store, program)
             loaded = store.load(program.stored_name, *stored) if stored is not None else None
-            store_seconds += time.perf_counter() - store_started
             if loaded is not None:
-                lowered_bar.total -= 1  # a program from the store is never lowered
-                ready(program, loaded, "store")
-                continue
-            lower_started = time.perf_counter()
-            with guard.watch():
-                lowered = stored[1].lower() if stored is not None else program.lower()
-            lower_seconds += time.perf_counter() - lower_started
-            lowered_bar.update()
-            compiling[workers.submit(compile_watched, lowered, program.compiler_options)] = (program, stored)
-        for done in concurrent.futures.as_completed(compiling):
-            (program, stored), (compiled, source) = compiling[done], done.result()
-            # Only a program XLA compiled here is whole: one a compilation cache handed back lacks code (XLA:CPU)
-            if stored is not None and source == "compiled":
-                saved += store.save(program.stored_name, stored[0], compiled)
-            ready(program, compiled, source)
+                ready(program, loaded, "store")  # never lowered
+            else:
+                pending.append((program, stored))
+        store_seconds = time.perf_counter() - store_started
+        lower_seconds, to_save = 0.0, []
+        with (concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as workers,
+              _program_bar("lower", len(pending), progress and bool(pending)) as lowered_bar):
+            compiling = {}
+            for program, stored in pending:
+                lower_started = time.perf_counter()
+                with guard.watch():
+                    lowered = stored[1].lower() if stored is not None else program.lower()
+                lower_seconds += time.perf_counter() - lower_started
+                lowered_bar.update()
+                compiling[workers.submit(compile_watched, lowered, program.compiler_options)] = (program, stored)
+            for done in concurrent.futures.as_completed(compiling):
+                (program, stored), (compiled, source) = compiling[done], done.result()
+                # Only a program XLA compiled here is whole: one a compilation cache handed back lacks code (XLA:CPU)
+                if stored is not None and source == "compiled":
+                    to_save.append((program.stored_name, stored[0], compiled))
+                ready(program, compiled, source)
+        store_started = time.perf_counter()
+        saved = sum(store.save(name, key, compiled) for name, key, compiled in to_save)
+        store_seconds += time.perf_counter() - store_started
     if store is not None and sources["cache"]:
         store.note_uncompiled(sources["cache"])
     return WarmupStats(len(programs), lower_seconds, time.perf_counter() - started, ProgramSources(**sources),

@@ -6,7 +6,8 @@ compiled; the weights are attached and the pool allocated once both are done. Gi
 already read), the same happens without the thread.
 
 With a program store (`compiled_dir`, or programs/ in the compilation cache folder; runner/program_store.py) every
-program kept there under its key loads whole instead, and every one compiled is added. A pool sized from memory
+program kept there under its key loads whole instead, and every one compiled is added; the weights are then read
+before the programs rather than beside them (XLA:CPU is not safe deserializing two executables at once). A pool sized from memory
 then takes the largest pool size stored that fits, with the workspace measured when it was stored, so that a store
 filled elsewhere (`jaxserve compile --out`) serves without a compile.
 """
@@ -78,6 +79,10 @@ def start_runner(model: LoadedModel | ModelPlan, config: EngineConfig, progress:
         pending_bytes = (model.weight_bytes_per_device() if planned else 0) + (
             draft.weight_bytes_per_device() if draft is not None else 0)
         store = open_program_store(config, runner)
+        if store is not None and loading is not None:
+            # XLA:CPU crashed (a segfault) deserializing a stored program while the loading thread's jitted code
+            # deserialized another from JAX's persistent cache: with a store, the weights are read first.
+            loading.result()
         pages, workspace = _pool_pages(model, config, runner, stats, pending_bytes, draft, store)
         config = config.with_pool(pages)
         runner.warm_up(config.num_kv_pages, progress, store)

@@ -10,7 +10,9 @@ compressed-tensors); callers skip without it.
     weight and `weight_scale_inv`, quantized the way transformers' `Fp8Quantize` does (scale = block max / 448),
     and config.json given the `quantization_config` Qwen3-*-FP8 repositories carry.
   - `transformers_dequantized` loads either with transformers on CPU, dequantized (`CompressedTensorsConfig(
-    run_compressed=False)`, `FineGrainedFP8Config(dequantize=True)`): transformers' own reading of the format.
+    run_compressed=False)`, `FineGrainedFP8Config(dequantize=True)`): transformers' own reading of the format. That
+    model multiplies unquantized activations (W8A16); `quantize_inputs_as_compressed_tensors` makes it W8A8, each
+    decoder projection's input fake-quantized by compressed-tensors' own code as the checkpoint's scheme says.
 
 `vary_block_magnitudes` first scales each 16x16 block of every projection by 1/2, 1 or 2, so that neighbouring
 blocks (and channels) get very different scales: a scale applied to the wrong block, transposed, or per input
@@ -149,3 +151,34 @@ def transformers_dequantized(folder: Path):
         warnings.simplefilter("ignore", UserWarning)
         return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization,
                                                                  dtype=torch.float32).eval()
+
+
+def quantize_inputs_as_compressed_tensors(model, folder: Path):
+    """`model` (transformers_dequantized of a compressed-tensors checkpoint in `folder`) with every decoder
+    projection's input quantized to float8 and back before its matmul, as the checkpoint's `input_activations`
+    scheme says: compressed-tensors computes each dynamic scale (per token or tensor) and rounds, and a static
+    scheme uses the projection's stored `input_scale`. Returns the model (hooked in place)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    [group] = config["config_groups"].values()
+    args = QuantizationArgs(**group["input_activations"])
+    stored = load_file(folder / "model.safetensors")
+
+    def hook(name):
+        def quantize_input(module, inputs):
+            [x] = inputs
+            if args.dynamic:
+                scale, zero_point = compute_dynamic_scales_and_zp(value=x, args=args, module=module)
+            else:
+                scale, zero_point = stored[name + ".input_scale"].float(), None
+            return (fake_quantize(x, scale, zero_point, args),)
+        return quantize_input
+
+    for name, module in model.named_modules():
+        if ".layers." in name and name.endswith("proj"):
+            module.register_forward_pre_hook(hook(name))
+    return model

@@ -1,7 +1,8 @@
 """The GPU program tier: the engine's step programs compiled for an H100 target on this machine (no GPU) and audited.
 
 Guards: no decode or mixed step program copies a weight or the KV pool; each program's temp memory stays within a
-small multiple of its activations; int8/fp8 weights are widened inside their GEMMs, never whole in memory. Each
+small multiple of its activations; int8/fp8 weights are widened inside their GEMMs, never whole in memory; fp8
+prefill steps multiply float8 activations by float8 weights in every projection (W8A8, H100 and H200 targets). Each
 guard is shown failing on a hand-made program built to break it (tests/gpu_audit_examples.py) and passing on its
 twin. The engine's programs are compiled once per session in a subprocess (tests/gpu_audit_probe.py), since JAX
 must start there with its CUDA plugin beside the CPU backend; that needs the gpu-audit extra, and the tests that
@@ -23,12 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.gpu_programs.guards import copy_violations, temp_violations, widening_violations
+from jaxserve.gpu_programs.guards import (copy_violations, fp8_gemm_violations, fp8_weight_gemms, temp_violations,
+                                          widening_violations)
 from jaxserve.gpu_programs.hlo import parse_instruction, parse_module, parse_shape
 from jaxserve.gpu_programs.target import CUDA_PLUGIN_MISSING, cuda_plugin_installed
 from jaxserve.gpu_programs.thunks import count_launches, parse_thunks
-from tests.gpu_audit_probe import (ENGINE_SETUPS, LLAMA_8B, LLAMA_8B_FP8, LLAMA_8B_FP8_PALLAS, LLAMA_8B_INT8,
-                                   LLAMA_8B_INT8_PALLAS, LLAMA_70B, EngineSetup, engine_key, example_key)
+from tests.gpu_audit_probe import (ENGINE_SETUPS, LLAMA_8B, LLAMA_8B_FP8, LLAMA_8B_FP8_H200, LLAMA_8B_FP8_PALLAS,
+                                   LLAMA_8B_INT8, LLAMA_8B_INT8_PALLAS, LLAMA_70B, EngineSetup, engine_key,
+                                   example_key)
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda_plugin = pytest.mark.skipif(not cuda_plugin_installed(), reason=CUDA_PLUGIN_MISSING)
@@ -37,7 +40,8 @@ PROBE_TIMEOUT_S = 1200
 # What the audit finds in today's engine programs (jax 0.11.2, H100 target), named by the expected failures.
 QUANTIZED_SLICES_COPIED = ("with XLA's GEMMs (gemm_backend auto), each layer's int8/fp8 weight slices are copied (as "
                            "stored, not widened) out of the stacked weights before their GEMMs; gemm_backend pallas "
-                           "reads them in place in decode steps (the *-pallas setups)")
+                           "reads them in place in decode steps (the *-pallas setups); fp8 prefill steps' cuBLASLt FP8 GEMMs read copied "
+                           "slices too (one layer's weights per layer, small beside a compute-bound step's GEMMs)")
 
 
 def _cases(setups: tuple[EngineSetup, ...], expected_failures: dict[str, str], kinds=None):
@@ -57,7 +61,8 @@ def _cases(setups: tuple[EngineSetup, ...], expected_failures: dict[str, str], k
 
 STEP_KINDS = ("decode", "mixed")
 COPY_CASES = _cases(ENGINE_SETUPS, {LLAMA_8B_INT8.name: QUANTIZED_SLICES_COPIED,
-                                     LLAMA_8B_FP8.name: QUANTIZED_SLICES_COPIED}, kinds=STEP_KINDS)
+                                     LLAMA_8B_FP8.name: QUANTIZED_SLICES_COPIED,
+                                     LLAMA_8B_FP8_H200.name: QUANTIZED_SLICES_COPIED}, kinds=STEP_KINDS)
 TEMP_CASES = _cases((LLAMA_8B, LLAMA_70B), {})
 WIDENING_CASES = _cases((LLAMA_8B_INT8, LLAMA_8B_FP8, LLAMA_8B_INT8_PALLAS, LLAMA_8B_FP8_PALLAS), {})
 
@@ -154,6 +159,33 @@ def test_each_program_temp_stays_within_a_small_multiple_of_its_activations(audi
 def test_quantized_weights_are_never_widened_whole_in_memory(audits, key):
     violations = widening_violations(audits[key])
     assert not violations, "\n".join(violations)
+
+
+W8A8_PROGRAMS = [engine_key(LLAMA_8B_FP8, "mixed T=2048 S=64"), engine_key(LLAMA_8B_FP8_H200, "mixed T=2048 S=64")]
+PROJECTIONS_PER_LAYER = 7  # q, k, v, o, gate, up, down
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("key", W8A8_PROGRAMS)
+def test_fp8_prefill_steps_multiply_float8_by_float8_in_every_projection(audits, key):
+    """--quantization fp8 runs W8A8 where a step is bound by its GEMMs: each of the 32 layers' seven projections is
+    one cuBLASLt FP8 GEMM of float8 activations and float8 weights, at the tensor cores' FP8 rate."""
+    audit = audits[key]
+    assert fp8_gemm_violations(audit) == []
+    gemms = fp8_weight_gemms(audit)
+    assert sum(gemm.per_run for gemm in gemms) == PROJECTIONS_PER_LAYER * 32, gemms
+    assert {gemm.backend for gemm in gemms} == {"__cublas$lt$matmul$f8"}
+    assert widening_violations(audit) == [] and temp_violations(audit) == []
+
+
+@needs_cuda_plugin
+def test_the_fp8_gemm_guard_finds_the_widened_gemms_of_a_w8a16_decode_step(audits):
+    """Decode steps stay W8A16 (bound by reading the weights): their GEMMs widen the float8 weight to bf16, which
+    the guard would name in a prefill step."""
+    audit = audits[engine_key(LLAMA_8B_FP8, "decode S=64")]
+    violations = fp8_gemm_violations(audit)
+    assert len(violations) == len(fp8_weight_gemms(audit)) > 0, violations  # each one (q/k/v and gate/up merged)
+    assert all("bf16 x bf16" in v for v in violations), violations
 
 
 # Batch-1 decode reads every weight and its context's KV once: what it moves in all (reads and writes of every launch)

@@ -2,6 +2,7 @@
 dense reference decoder decodes with the weights they stand for rebuilt in full, and stays close to the unquantized
 model (tolerances that a wrong scale or a transposed weight would break)."""
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from jaxserve.config import QUANTIZATIONS, EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.model.quantization import WEIGHT_FORMATS, dequantize, quantize, scaled_matmul, weight_format
 from jaxserve.reference.dense_decoder import DecodeRequest, DenseDecoder
+from tests.hf_models import jaxserve_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from quantization import greedy_sequences, score_difference, teacher_forced_scores  # noqa: E402
@@ -84,6 +86,27 @@ def test_the_pallas_gemm_backend_reads_the_quantized_stacks_with_the_kernel():
     for its projections; with XLA's GEMMs none does."""
     assert all(count > 0 for count in _kernels_in_step_programs(quantized_llm("int8", "pallas")).values())
     assert set(_kernels_in_step_programs(quantized_llm("int8", "xla")).values()) == {0}
+
+
+def test_an_fp8_prefill_step_quantizes_activations_and_the_dense_model_agrees():
+    """A 101-token prompt is one prefill step of more than IN_PLACE_MAX_ROWS tokens: with fp8 weights it runs W8A8
+    (model/quantization.py). Its prompt scores equal the dense-cache forward of the same model (W8A8 too, at 101
+    rows), and differ visibly from the model run weight-only (W8A16): the step did quantize its activations."""
+    llm = LLM(quantization="fp8", **{**LIMITS, "max_model_len": 160, "max_num_batched_tokens": 128})
+    prompt = [507, *range(10, 110)]
+    [output] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                            use_tqdm=False)
+    scored = np.array([candidates[token].logprob for token, candidates in zip(prompt[1:], output.prompt_logprobs[1:])])
+    loaded = load_model(None, "float32", progress=False, quantization="fp8")
+    weight_only = abstract_params(loaded.config, np.dtype(np.float32), lambda name, shape: None,
+                                  dataclasses.replace(WEIGHT_FORMATS["fp8"], activations=None))
+
+    def reference(graphdef) -> np.ndarray:
+        logits = jaxserve_logits(dataclasses.replace(loaded, graphdef=graphdef), np.array([prompt]))[0, :-1]
+        return np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), np.array(prompt[1:])[:, None], -1)[:, 0]
+
+    np.testing.assert_allclose(scored, reference(loaded.graphdef), atol=1e-4)
+    assert np.abs(scored - reference(weight_only.graphdef)).max() > 1e-2
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)

@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # name -> (writer, its arguments, the format jaxserve reports running)
 CHECKPOINTS = {
     "ct-tensor": ("compressed-tensors", dict(strategy="tensor", inputs="static"),
-                  "fp8 (compressed-tensors, per-tensor scales)"),
+                  "fp8 (compressed-tensors, per-tensor scales; prefill W8A8, static activations)"),
     "ct-channel": ("compressed-tensors", dict(strategy="channel", inputs="dynamic"),
-                   "fp8 (compressed-tensors, per-channel scales)"),
+                   "fp8 (compressed-tensors, per-channel scales; prefill W8A8, dynamic activations)"),
     # 48x40 blocks leave partial blocks at the edge of every projection (64, 160 rows and columns).
     "ct-block": ("compressed-tensors", dict(strategy="block", block=(48, 40), inputs=None),
                  "fp8 (compressed-tensors, 48x40 block scales)"),
@@ -110,6 +110,27 @@ def test_logits_equal_transformers_reading_the_checkpoint_and_the_dequantized_re
     np.testing.assert_allclose(logits, _oracle_logits(checkpoints[name], tokens), atol=ORACLE_TOLERANCE, rtol=0)
     np.testing.assert_allclose(logits, jaxserve_logits(_dense_reference(loaded), tokens), atol=REFERENCE_TOLERANCE,
                                rtol=0)
+
+
+# A prompt longer than a decode step (IN_PLACE_MAX_ROWS tokens): its one prefill step quantizes activations (W8A8).
+W8A8_PROMPT = 96
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", ["ct-tensor", "ct-channel"])  # static and dynamic activation scales
+def test_a_prefill_step_quantizes_activations_as_compressed_tensors_does(checkpoints, name):
+    """W8A8: the logits of a long prompt equal transformers' on the dequantized weights with each projection's
+    input fake-quantized by compressed-tensors (tests/fp8_checkpoints.py), and differ from W8A16's by far more."""
+    from tests.fp8_checkpoints import quantize_inputs_as_compressed_tensors, transformers_dequantized
+
+    loaded = load_model(checkpoints[name], "float32", progress=False)
+    tokens = random_tokens(loaded.config.vocab_size, W8A8_PROMPT)
+    logits = jaxserve_logits(loaded, tokens)
+    w8a8 = hf_logits(quantize_inputs_as_compressed_tensors(transformers_dequantized(checkpoints[name]),
+                                                           checkpoints[name]), tokens)
+    w8a16 = _oracle_logits(checkpoints[name], tokens)
+    np.testing.assert_allclose(logits, w8a8, atol=ORACLE_TOLERANCE, rtol=0)
+    assert np.abs(w8a16 - w8a8).max() > 100 * ORACLE_TOLERANCE  # W8A16 here would fail (2.9 and 5.1 seen)
 
 
 MISAPPLIED_SCALES = {
@@ -277,6 +298,9 @@ UNSUPPORTED_CONFIGS = {
     "static per-token inputs": (_ct(group={"input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
                                                                  "dynamic": False}}),
                                 r"static input activations with strategy 'token' are not supported"),
+    "int8 activations": (_ct(group={"input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                                          "dynamic": True}}),
+                         r"input activations of type 'int' with num_bits 8 are not supported"),
     "output activations": (_ct(group={"output_activations": {"num_bits": 8, "type": "float"}}),
                            r"output_activations quantization is not supported"),
     "rotations": (_ct(transform_config={"config_groups": {"u": {}}}), r"transform_config .* not supported"),
@@ -315,8 +339,13 @@ def test_the_config_alone_tells_the_format():
     channel = checkpoint_quantization(same_twice)
     assert (channel.name, channel.weight_format.block, channel.scale_name) == (
         "fp8 (compressed-tensors, per-channel scales)", None, "weight_scale")
+    assert channel.activations is None and not channel.weight_format.quantizes_activations  # weight-only: W8A16
     dynamic_tokens = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
-    assert not checkpoint_quantization(_ct(group={"input_activations": dynamic_tokens})).static_input_scales
+    dynamic = checkpoint_quantization(_ct(group={"input_activations": dynamic_tokens}))
+    assert dynamic.weight_format.quantizes_activations and dynamic.weight_format.activations == "dynamic"
+    assert dynamic.name == "fp8 (compressed-tensors, per-channel scales; prefill W8A8, dynamic activations)"
+    static_tensor = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    assert checkpoint_quantization(_ct(group={"input_activations": static_tensor})).activations == "static"
     kv = checkpoint_quantization(_ct(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}))
     assert kv.kv_cache_scales and not channel.kv_cache_scales
     # As early FP8 repositories (nm-testing/Meta-Llama-3.1-8B-Instruct-FP8-hf) describe their float8 tensors.
@@ -325,7 +354,8 @@ def test_the_config_alone_tells_the_format():
     assert early.name == "fp8 (compressed-tensors, per-tensor scales)"
     block = checkpoint_quantization(FP8_CONFIG)
     assert (block.weight_format, block.scale_name) == (
-        dataclasses.replace(WEIGHT_FORMATS["fp8"], block=(128, 128)), "weight_scale_inv")
+        dataclasses.replace(WEIGHT_FORMATS["fp8"], block=(128, 128), activations=None), "weight_scale_inv")
+    assert not block.weight_format.quantizes_activations  # block-scaled checkpoints run W8A16
 
 
 # A decoder projection the config leaves unquantized: (quantization_config, the projection named)

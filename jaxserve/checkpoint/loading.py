@@ -182,7 +182,7 @@ def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, mo
     placed = abstract_params(layout.model_config, dtype, layout.param_sharding, fmt)
     stored = abstract_params(layout.checkpoint_config, dtype, layout.param_sharding, fmt)
     targets = quantized_targets(tensor_targets(stored, placed, layout.stored_rows), quantization)
-    read_arrays = plan_safetensors_load(model_dir, targets, unread=unread_tensors(targets, quantization))
+    read_arrays = plan_safetensors_load(model_dir, targets, unread=unread_tensors(quantization))
     scales = kv_cache_scales(model_dir, layout.model_config.num_hidden_layers) if quantization.kv_cache_scales else None
     return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), dtype, model_dir,
                      "safetensors", layout.mesh, lambda progress: fill_params(placed, read_arrays(progress)),

@@ -38,7 +38,11 @@ def _quantizer(fmt: WeightFormat, weight_sharding: jax.sharding.Sharding, scale_
 
 def online_quantization_name(quantization: str | None) -> str | None:
     """The format `--quantization` runs, in words (as `LoadedModel.quantization` names it)."""
-    return None if quantization is None else f"{quantization} (quantized at load, per-channel scales)"
+    if quantization is None:
+        return None
+    fmt = weight_format(quantization)
+    w8a8 = f"; prefill W8A8, {fmt.activations} activations" if fmt.quantizes_activations else ""
+    return f"{quantization} (quantized at load, per-channel scales{w8a8})"
 
 
 def dequantized_arrays(arrays: Mapping[str, jax.Array], dtype,

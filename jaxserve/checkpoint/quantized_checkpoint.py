@@ -13,10 +13,11 @@ Either way the weight is q * scale. A per-tensor scale is a per-channel one with
 and per-channel checkpoints run as model/quantization.py's per-output-channel fp8 format, exactly (the scale is
 broadcast or reshaped on the host as it is read); block scales run as its block-scaled format.
 
-Activations are not quantized: jaxserve multiplies bf16 (or f32) activations by the dequantized weights (W8A16),
-which is at least as accurate as the fp8 activations the checkpoint's activation scheme was calibrated for. A
-static scheme's `input_scale` tensors are still required and shape-checked (a checkpoint lacking them is damaged),
-never read. A `kv_cache_scheme`'s per-layer KV-cache scales (`self_attn.k_scale` / `v_scale`, or the older
+Activations run as the checkpoint's scheme says, in prefill and mixed steps (model/quantization.py): a dynamic
+scheme (FP8_DYNAMIC) quantizes each token's activations with a scale of its own, a static one (FP8) by each
+projection's calibrated `input_scale` [1] (read as the projection's `input_scale` parameter), and a weight-only
+scheme (no `input_activations`) or a block-scaled checkpoint keeps bf16 activations (W8A16), as decode steps always
+do. A `kv_cache_scheme`'s per-layer KV-cache scales (`self_attn.k_scale` / `v_scale`, or the older
 `k_proj.output_scale` / `v_proj.output_scale`) are no weights: `kv_cache_scales` reads them at plan time for a
 float8 KV pool (--kv-cache-dtype fp8), as vLLM uses them; a pool in the activations' dtype ignores them.
 
@@ -38,14 +39,14 @@ import numpy as np
 from jaxserve.checkpoint.param_tree import TensorTarget, UnreadTensors
 from jaxserve.checkpoint.safetensors_loader import read_scalars
 from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from jaxserve.model.quantization import SCALE_SUFFIX, WEIGHT_FORMATS, WeightFormat, scale_shape
+from jaxserve.model.quantization import (DYNAMIC_ACTIVATIONS, SCALE_SUFFIX, STATIC_ACTIVATIONS, WEIGHT_FORMATS,
+                                         WeightFormat, scale_shape)
 
 COMPRESSED_TENSORS = "compressed-tensors"
 FINE_GRAINED_FP8 = "fp8"
 _CT_FORMATS = ("float-quantized", "naive-quantized")  # float8 tensors stored as they are, unpacked
 _CT_STRATEGIES = ("tensor", "channel", "block")
 _WEIGHT = ".weight"
-INPUT_SCALE = ".input_scale"
 # KV-cache scales of a kv_cache_scheme, read apart from the weights: per attention layer (K, V), and the older
 # names on k_proj/v_proj.
 KV_CACHE_SCALE_NAMES = ((".self_attn.k_scale", ".self_attn.v_scale"),
@@ -66,20 +67,23 @@ class CheckpointQuantization:
     strategy: str  # granularity of the weight scales: "tensor", "channel" or "block"
     block: tuple[int, int] | None  # (rows, columns) one scale covers for the block strategy; else None
     scale_name: str  # the scale tensor's name beside each projection's `weight`: weight_scale or weight_scale_inv
-    static_input_scales: bool  # each projection also stores `input_scale` f32[1] (checked, never read)
+    # How prefill steps quantize activations: STATIC_ACTIVATIONS (each projection stores `input_scale` f32[1]),
+    # DYNAMIC_ACTIVATIONS (per token, in the step) or None (weight-only)
+    activations: str | None
     kv_cache_scales: bool  # the attention layers store KV-cache scales (kv_cache_scales reads them)
     unquantized_reason: UnquantizedReason  # which modules the config leaves unquantized, and why
 
     @property
     def weight_format(self) -> WeightFormat:
         """The format the projections run in: fp8 per output channel, or block-scaled."""
-        return dataclasses.replace(WEIGHT_FORMATS["fp8"], block=self.block)
+        return dataclasses.replace(WEIGHT_FORMATS["fp8"], block=self.block, activations=self.activations)
 
     @property
     def name(self) -> str:
         """What runs, for the start-up line: e.g. "fp8 (compressed-tensors, per-channel scales)"."""
         scales = f"{self.block[0]}x{self.block[1]} block" if self.block else f"per-{self.strategy}"
-        return f"fp8 ({'transformers fp8' if self.method == FINE_GRAINED_FP8 else self.method}, {scales} scales)"
+        w8a8 = f"; prefill W8A8, {self.activations} activations" if self.weight_format.quantizes_activations else ""
+        return f"fp8 ({'transformers fp8' if self.method == FINE_GRAINED_FP8 else self.method}, {scales} scales{w8a8})"
 
 
 def checkpoint_quantization(config: Any) -> CheckpointQuantization | None:
@@ -122,14 +126,9 @@ def quantized_targets(targets: Mapping[str, TensorTarget],
     return out
 
 
-def unread_tensors(targets: Mapping[str, TensorTarget], quantization: CheckpointQuantization) -> UnreadTensors:
-    """The checkpoint's tensors no parameter reads: static input scales, which must be there, and KV-cache scales,
-    read apart (kv_cache_scales)."""
-    input_scales = {source.removesuffix(_WEIGHT) + INPUT_SCALE: (1,)
-                    for name, target in targets.items() if name + SCALE_SUFFIX in targets
-                    for source in target.sources} if quantization.static_input_scales else {}
-    return UnreadTensors(required=input_scales,
-                         dropped_suffixes=KV_CACHE_SCALE_SUFFIXES if quantization.kv_cache_scales else ())
+def unread_tensors(quantization: CheckpointQuantization) -> UnreadTensors:
+    """The checkpoint's tensors no parameter reads: KV-cache scales, read apart (kv_cache_scales)."""
+    return UnreadTensors(dropped_suffixes=KV_CACHE_SCALE_SUFFIXES if quantization.kv_cache_scales else ())
 
 
 def _scale_target(name: str, target: TensorTarget, weight: TensorTarget,
@@ -204,7 +203,7 @@ def _compressed_tensors(config: Mapping[str, Any]) -> CheckpointQuantization:
     targets = tuple(target for group in groups.values() for target in group.get("targets") or ())
     return CheckpointQuantization(
         method=COMPRESSED_TENSORS, strategy=strategy, block=block, scale_name="weight" + SCALE_SUFFIX,
-        static_input_scales=_ct_static_inputs(inputs), kv_cache_scales=config.get("kv_cache_scheme") is not None,
+        activations=_ct_activations(inputs), kv_cache_scales=config.get("kv_cache_scheme") is not None,
         unquantized_reason=functools.partial(_ct_unquantized, targets, tuple(config.get("ignore") or ())))
 
 
@@ -246,14 +245,21 @@ def _ct_weights(weights: Mapping[str, Any]) -> tuple[str, tuple[int, int] | None
     return strategy, _block_size(weights.get("block_structure"), "block_structure") if strategy == "block" else None
 
 
-def _ct_static_inputs(inputs: Mapping[str, Any] | None) -> bool:
-    """Whether each projection stores a static input scale f32[1] (a per-tensor static activation scheme)."""
-    if inputs is None or inputs.get("dynamic", False):
-        return False
+def _ct_activations(inputs: Mapping[str, Any] | None) -> str | None:
+    """How the scheme quantizes the projections' inputs: STATIC_ACTIVATIONS (each projection stores an input scale
+    f32[1], a per-tensor static scheme), DYNAMIC_ACTIVATIONS (computed per token, or per tensor, which a per-token
+    scale is at least as accurate as), or None (weight-only)."""
+    if inputs is None:
+        return None
+    if inputs.get("type", "float") != "float" or inputs.get("num_bits", 8) != 8:
+        raise UnsupportedModelError(f"compressed-tensors input activations of type {inputs.get('type')!r} with "
+                                    f"num_bits {inputs.get('num_bits')!r} are not supported (8-bit float)")
+    if inputs.get("dynamic", False):
+        return DYNAMIC_ACTIVATIONS
     if inputs.get("strategy") != "tensor":
         raise UnsupportedModelError(f"compressed-tensors static input activations with strategy "
                                     f"{inputs.get('strategy')!r} are not supported (tensor only)")
-    return True
+    return STATIC_ACTIVATIONS
 
 
 def _ct_unquantized(targets: tuple[str, ...], ignore: tuple[str, ...], module: str) -> str | None:
@@ -291,7 +297,7 @@ def _fine_grained_fp8(config: Mapping[str, Any]) -> CheckpointQuantization:
     skipped = config.get("modules_to_not_convert") or config.get("ignored_layers") or ()
     return CheckpointQuantization(
         method=FINE_GRAINED_FP8, strategy="block", block=_block_size(config["weight_block_size"], "weight_block_size"),
-        scale_name="weight_scale_inv", static_input_scales=False, kv_cache_scales=False,
+        scale_name="weight_scale_inv", activations=None, kv_cache_scales=False,
         unquantized_reason=functools.partial(_fp8_unquantized, tuple(skipped)))
 
 

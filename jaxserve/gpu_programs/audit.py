@@ -51,6 +51,9 @@ class Gemm:
     # (argument, dtype as read, read from a copy) for each weight or adapter operand
     reads: tuple[tuple[str, str, bool], ...]
     per_run: int  # executions per run
+    # The element types the product itself multiplies (the dot's or library call's two operands, after any
+    # widening fused before it): ("f8e4m3fn", "f8e4m3fn") for an FP8 GEMM, ("bf16", "bf16") for a widened one
+    operand_dtypes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +222,23 @@ def _gemms(module: HloModule, flow: Dataflow, facts: ProgramFacts, shapes: dict[
                        origin.derived)
                       for i, origin in enumerate(unit.operand_origins)
                       if origin is not None and facts.arguments[origin.argument].role in (Role.WEIGHT, Role.ADAPTER))
-        yield Gemm(unit.instruction.name, backend, reads, 0 if unit.alternative else unit.executions)
+        yield Gemm(unit.instruction.name, backend, reads, 0 if unit.alternative else unit.executions,
+                   _multiplied_dtypes(module, unit, shapes))
+
+
+def _multiplied_dtypes(module: HloModule, unit: Unit, shapes: dict[str, Shape]) -> tuple[str, ...]:
+    """The element types of the first product's two operands: the library call's own, or the dot's (or library
+    call's) inside the fusion."""
+    if unit.fused is None:
+        return tuple(shapes[name].dtype for name in unit.instruction.operands[:2])
+    for name in _nested(module, unit.fused):
+        computation = module.computations[name]
+        by_name = computation.by_name()
+        for instruction in computation.instructions:
+            library = (instruction.custom_call_target or "").startswith(_GEMM_LIBRARY_PREFIXES)
+            if instruction.opcode == "dot" or library:
+                return tuple(by_name[operand].shape.dtype for operand in instruction.operands[:2])
+    return ()
 
 
 def _roofline(module: HloModule, flow: Dataflow, facts: ProgramFacts, shapes: dict[str, Shape],

@@ -7,11 +7,13 @@
   workspace): more is a sign of a materialized copy, and memory the KV pool does not get.
 - No widening: a quantized weight (int8, fp8) is widened where it is read, inside the GEMM; a widened copy of a
   whole weight in memory reads and writes more bytes than the unquantized weight would have.
+- FP8 GEMMs: in a W8A8 program (fp8 prefill and mixed steps), every GEMM that reads a float8 weight multiplies two
+  float8 operands, the tensor cores' FP8 rate; one that widens either operand runs at the bf16 rate.
 """
 
 from __future__ import annotations
 
-from jaxserve.gpu_programs.audit import Copy, ProgramAudit
+from jaxserve.gpu_programs.audit import Copy, Gemm, ProgramAudit
 
 # Temporary memory a program may hold per byte of its activations: a layer's intermediates in flight and their
 # copies for fusions that cannot share buffers.
@@ -19,6 +21,7 @@ TEMP_ACTIVATION_MULTIPLE = 4
 # Temporary memory beside that: cuBLAS workspaces (32 MiB each on Hopper) and sort scratch.
 TEMP_ALLOWANCE_BYTES = 64 * 2**20
 STEP_KINDS = ("decode", "mixed", "scoring", "verify")
+FLOAT8 = "f8e4m3fn"
 
 
 def copy_violations(audit: ProgramAudit) -> list[str]:
@@ -39,6 +42,18 @@ def temp_violations(audit: ProgramAudit) -> list[str]:
 def widening_violations(audit: ProgramAudit) -> list[str]:
     """Weights converted whole in memory (a widened or re-typed copy), in any program."""
     return [_describe(copy) for copy in audit.copies if copy.kind in ("widen", "convert")]
+
+
+def fp8_gemm_violations(audit: ProgramAudit) -> list[str]:
+    """GEMMs of float8 weights that do not multiply float8 by float8 (for a W8A8 program)."""
+    return [f"{gemm.instruction} ({gemm.backend}) multiplies {' x '.join(gemm.operand_dtypes) or 'unknown types'}, "
+            f"x {gemm.per_run} per run" for gemm in fp8_weight_gemms(audit)
+            if gemm.operand_dtypes != (FLOAT8, FLOAT8)]
+
+
+def fp8_weight_gemms(audit: ProgramAudit) -> list[Gemm]:
+    """The GEMMs that read a float8 weight."""
+    return [gemm for gemm in audit.gemms if any(dtype == FLOAT8 for _, dtype, _ in gemm.reads)]
 
 
 def _describe(copy: Copy) -> str:

@@ -95,11 +95,13 @@ def _row(program: AuditedProgram) -> tuple[str, ...]:
 
 
 def _gemm_summary(audit: ProgramAudit) -> str:
-    """GEMMs per run by backend, short: "160 tritonN 1 cublasLt"."""
+    """GEMMs per run by backend, short: "160 tritonN 1 cublasLt" ("-f8" where both operands are float8)."""
     counts: dict[str, int] = {}
     for gemm in audit.gemms:
         short = (gemm.backend.replace("__triton_nested_gemm_fusion", "tritonN").replace("__triton_gemm", "triton")
                  .replace("__cublas$lt$matmul$f8", "cublasLt-f8").replace("__cublas$lt$matmul", "cublasLt")
                  .replace("__cublas$gemm", "cublas").replace("xla fusion", "xla"))
+        if set(gemm.operand_dtypes) == {"f8e4m3fn"} and not short.endswith("-f8"):
+            short += "-f8"  # a Triton FP8 GEMM
         counts[short] = counts.get(short, 0) + gemm.per_run
     return " ".join(f"{n} {name}" for name, n in counts.items()) or "-"

@@ -24,8 +24,9 @@ from flax import nnx
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.lora import LayerLora, LoraStack
-from jaxserve.model.quantization import (PALLAS_INTERPRET_GEMM, XLA_GEMM, WeightFormat, is_stacked_quantized_weight,
-                                         reads_in_place, scale_shape, scaled_matmul, weight_format)
+from jaxserve.model.quantization import (PALLAS_INTERPRET_GEMM, STATIC_ACTIVATIONS, XLA_GEMM, WeightFormat,
+                                         is_stacked_quantized_weight, quantizes_activations, reads_in_place,
+                                         scale_shape, scaled_matmul, w8a8_matmul, weight_format)
 from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from kernels_pallas.quantized_matmul import fits, quantized_matmul
 
@@ -50,18 +51,27 @@ class Linear(nnx.Module):
 class QuantizedLinear(nnx.Module):
     """y = x @ (weight * weight_scale).T (+ bias): weight q[out, in] in the quantization's dtype, weight_scale
     f32[out] per output channel or f32[out blocks, in blocks] per block (model/quantization.py); the loader fills
-    both, from the unquantized weight or from a pre-quantized checkpoint."""
+    both, from the unquantized weight or from a pre-quantized checkpoint. A W8A8 format quantizes x too in steps of
+    many tokens, per token or by a static `input_scale` f32[1] the checkpoint calibrated."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, quantization: str | WeightFormat,
                  stack: tuple[int, ...] = (), **_unused_init):
         fmt = weight_format(quantization)
         self.weight = nnx.Param(jnp.zeros((*stack, out_features, in_features), fmt.dtype))
         self.weight_scale = nnx.Param(jnp.ones((*stack, *scale_shape(fmt, out_features, in_features)), jnp.float32))
+        self.input_scale = (nnx.Param(jnp.ones((*stack, 1), jnp.float32)) if fmt.activations == STATIC_ACTIVATIONS
+                            else None)
         self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
         self.block = fmt.block  # (rows, columns) one scale covers; None: per output channel
+        self.format = fmt  # static: how the weights are stored and whether many-token steps quantize activations
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = scaled_matmul(x, self.weight[...], self.weight_scale[...], self.block)
+        q, scale = self.weight[...], self.weight_scale[...]
+        if quantizes_activations(self.format, x.size // x.shape[-1]):
+            input_scale = None if self.input_scale is None else self.input_scale[...]
+            y = w8a8_matmul(x, q, scale, self.format, input_scale)
+        else:
+            y = scaled_matmul(x, q, scale, self.block)
         return y if self.bias is None else y + self.bias[...]
 
     def from_stack(self, x: jax.Array, layer: jax.Array, stacked_gemm: str) -> jax.Array:
@@ -281,3 +291,9 @@ class LlamaForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:  # f32[..., vocab] from f[..., hidden]
         weight = self.model.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
         return jnp.einsum("...h,vh->...v", hidden, weight, preferred_element_type=jnp.float32)
+
+
+def projection_format(model: LlamaForCausalLM) -> WeightFormat | None:
+    """The quantized format of the decoder's projections (all alike), or None where they are not quantized."""
+    projection = model.model.layers.self_attn.q_proj
+    return projection.format if isinstance(projection, QuantizedLinear) else None

@@ -11,9 +11,17 @@ channels after the matmul, which is the same product (a per-output-channel scale
 `in`); XLA fuses the cast into the dot, so the weights are read from memory at one byte each. A block scale varies
 along `in` and cannot move past the contraction: the weight is dequantized block by block inside the jitted step
 (q cast to float32 times each block's scale, then cast to the activations' dtype) and fed to the dot, a chain of
-element-wise ops XLA can fuse into the dot's operand on GPU. Activations are never quantized (W8A16), which is at
-least as accurate as the W8A8 matmuls the checkpoints' static or dynamic activation scales were made for.
-`dequantize` is the plain reference for both layouts: the weight rebuilt in full, for a dense model to run.
+element-wise ops XLA can fuse into the dot's operand on GPU. `dequantize` is the plain reference for both layouts:
+the weight rebuilt in full, for a dense model to run.
+
+FP8 activations (W8A8): decode steps are bound by reading the weights and keep bf16 (or f32) activations (W8A16).
+Steps of more than IN_PLACE_MAX_ROWS tokens (prefill and mixed steps) are bound by the GEMMs' arithmetic, which
+H100/H200 tensor cores do in float8 at twice the bf16 rate: a per-channel fp8 format whose `activations` say so
+quantizes each projection's input to float8 too, as vLLM's `fp8` and compressed-tensors' FP8 schemes run them:
+"dynamic", one scale per token computed in the step (each token's largest magnitude onto 448); "static", the
+checkpoint's calibrated per-tensor `input_scale`. The GEMM then multiplies two float8 operands, accumulating in
+float32, and both scales multiply its output (`w8a8_matmul`; `w8a8_reference` is the same product on dequantized
+float32 operands). Block-scaled formats keep W8A16.
 
 Embeddings, norms and lm_head stay unquantized, as vLLM leaves them.
 
@@ -47,6 +55,14 @@ class WeightFormat:
     # (rows, columns) of the weight block one scale covers, as pre-quantized checkpoints store them; None: one scale
     # per output channel
     block: tuple[int, int] | None = None
+    # How steps of more than IN_PLACE_MAX_ROWS tokens quantize the projections' inputs: DYNAMIC_ACTIVATIONS (per
+    # token), STATIC_ACTIVATIONS (the checkpoint's per-tensor `input_scale`), or None (weight-only, W8A16)
+    activations: str | None = None
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """Prefill and mixed steps run W8A8: float8 per-channel weights with activations quantized to float8."""
+        return self.activations is not None and self.block is None and self.dtype == np.dtype(jnp.float8_e4m3fn)
 
 
 # How a step program multiplies by layer-stacked quantized weights (EngineConfig.stacked_gemm): XLA on each layer's
@@ -56,11 +72,16 @@ STACKED_GEMMS = (XLA_GEMM, PALLAS_GEMM, PALLAS_INTERPRET_GEMM)
 # The most tokens a step may have for its projections to take the kernel: decode steps, bound by reading the weights.
 # More rows are compute-bound, where XLA's GEMMs are the faster (and the slice copy is spread over the rows).
 IN_PLACE_MAX_ROWS = 64
+# How a W8A8 format's activations are quantized: a scale per token computed in the step, or the checkpoint's one.
+DYNAMIC_ACTIVATIONS, STATIC_ACTIVATIONS = "dynamic", "static"
+# The smallest per-token scale of dynamic activations (vLLM's): a row of zeros quantizes to zeros.
+_MIN_TOKEN_SCALE_FACTOR = 1 / 512
 
 
 WEIGHT_FORMATS = {
     "int8": WeightFormat("int8", np.dtype(jnp.int8), 127.0, rounds=True),
-    "fp8": WeightFormat("fp8", np.dtype(jnp.float8_e4m3fn), float(jnp.finfo(jnp.float8_e4m3fn).max), rounds=False),
+    "fp8": WeightFormat("fp8", np.dtype(jnp.float8_e4m3fn), float(jnp.finfo(jnp.float8_e4m3fn).max), rounds=False,
+                        activations=DYNAMIC_ACTIVATIONS),
 }
 QUANTIZED_DTYPES = tuple(fmt.dtype for fmt in WEIGHT_FORMATS.values())  # what a quantized weight is stored in
 SCALE_SUFFIX = "_scale"  # `...q_proj.weight_scale` beside `...q_proj.weight`
@@ -121,6 +142,44 @@ def scaled_matmul(x: jax.Array, q: jax.Array, scale: jax.Array,
         return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
     y = jnp.einsum("...i,oi->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
+
+
+def quantizes_activations(fmt: WeightFormat | None, rows: int) -> bool:
+    """Whether a step of `rows` tokens quantizes its projections' activations (W8A8) in format `fmt` (None: the
+    weights are not quantized)."""
+    return fmt is not None and fmt.quantizes_activations and rows > IN_PLACE_MAX_ROWS
+
+
+def quantize_activations(x: jax.Array, fmt: WeightFormat,
+                         input_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(xq f8[..., in], scale f32[..., 1] or f32[1]) with x ≈ xq * scale: one scale per token (each row's largest
+    magnitude onto the format's largest value), or the given static per-tensor `input_scale` f32[1]."""
+    x32 = x.astype(jnp.float32)
+    if input_scale is None:
+        largest = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)  # f32[..., 1]
+        scale = jnp.maximum(largest / fmt.max_value, _MIN_TOKEN_SCALE_FACTOR / fmt.max_value)
+    else:
+        scale = input_scale.astype(jnp.float32)
+    return jnp.clip(x32 / scale, -fmt.max_value, fmt.max_value).astype(fmt.dtype), scale
+
+
+def w8a8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, fmt: WeightFormat,
+                input_scale: jax.Array | None = None) -> jax.Array:  # f[..., out]
+    """x f[..., in] @ (q * scale).T with x quantized to float8 first (`quantize_activations`): one f8 x f8 GEMM
+    accumulating in float32 (what XLA:GPU gives cuBLASLt's FP8 GEMM), then the token and channel scales."""
+    xq, x_scale = quantize_activations(x, fmt, input_scale)
+    y = jnp.einsum("...i,oi->...o", xq, q, preferred_element_type=jnp.float32)
+    return (y * x_scale * scale).astype(x.dtype)
+
+
+def w8a8_reference(x: jax.Array, q: jax.Array, scale: jax.Array, fmt: WeightFormat,
+                   input_scale: jax.Array | None = None) -> jax.Array:  # f[..., out]
+    """`w8a8_matmul` the plain way: both operands dequantized to float32, multiplied at full precision."""
+    xq, x_scale = quantize_activations(x, fmt, input_scale)
+    activations = xq.astype(jnp.float32) * x_scale
+    weight = dequantize(q, scale, jnp.float32)
+    y = jnp.einsum("...i,oi->...o", activations, weight, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
 
 
 def reads_in_place(stacked_gemm: str, rows: int) -> bool:

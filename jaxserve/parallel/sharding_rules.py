@@ -60,6 +60,7 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"^model\.embed_tokens\.weight$", COLUMN_PARALLEL),  # f[vocab, hidden] split over the vocabulary
     (r"^lm_head\.weight$", COLUMN_PARALLEL),  # f[vocab, hidden] split over the vocabulary
     (r"norm\.weight$", REPLICATED),
+    (r"\.input_scale$", REPLICATED),  # a static W8A8 checkpoint's activation scale f32[1] per projection
 )
 # f[kv_heads, num_layers, num_pages, page_size, head_dim]: whole KV heads per device.
 KV_POOL_SPEC = P(TP_AXIS, None, None, None, None)

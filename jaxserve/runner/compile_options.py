@@ -12,24 +12,42 @@ with those slices, on H100/H200 targets and on an H100 itself:
   layer at 8B): off too, each projection stays one GEMM over its own slice.
 - int8 and fp8 weights are different: Triton widens them inside its GEMM fusion (the slices are copied, at one byte
   a weight), while cuBLAS would widen every slice to bf16 in memory first. So quantized weights keep XLA's default.
+- Except in W8A8 programs (fp8 prefill and mixed steps: model/quantization.py), where both operands are float8:
+  there cuBLAS runs cuBLASLt's FP8 GEMM (`__cublas$lt$matmul$f8`), the tensor cores' float8 rate, as vLLM's
+  cutlass FP8 kernels do, and nothing is widened.
 
 Samplers have no GEMMs and keep XLA's defaults. Off a GPU the options would mean nothing: none are given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from jaxserve.model.quantization import WeightFormat, quantizes_activations
 
 CUBLAS, TRITON = "cublas", "triton"
 # cuBLAS for every projection, each over its own weight slice, read in place.
 IN_PLACE_GEMMS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
 
 
-def step_compiler_options(platform: str, gemm_backend: str, quantized_weights: bool) -> dict[str, Any]:
-    """The options of a step program (forward, whole step, scoring, verifying) on `platform` (a JAX device's
-    platform), for the configured gemm_backend ("auto", "cublas", "triton", or "pallas": as auto for the GEMMs its
-    kernel does not take)."""
-    if platform != "gpu":
-        return {}
-    chosen = gemm_backend if gemm_backend in (CUBLAS, TRITON) else (TRITON if quantized_weights else CUBLAS)
-    return dict(IN_PLACE_GEMMS) if chosen == CUBLAS else {}
+@dataclasses.dataclass(frozen=True)
+class StepCompilerOptions:
+    """What decides the XLA options of an engine's step programs (forward, whole step, scoring, verifying)."""
+
+    platform: str  # a JAX device's platform: "gpu", "cpu", ...
+    gemm_backend: str  # as configured: "auto", "cublas", "triton", or "pallas" (auto for the GEMMs its kernel skips)
+    quantized_weights: bool  # some weight is stored in one byte (int8 or float8)
+    weight_format: WeightFormat | None = None  # the projections' quantized format; None: unquantized or unknown
+
+    def of(self, num_tokens: int) -> dict[str, Any]:
+        """The options of the step program of `num_tokens` tokens."""
+        if self.platform != "gpu":
+            return {}
+        if self.gemm_backend in (CUBLAS, TRITON):
+            chosen = self.gemm_backend
+        elif quantizes_activations(self.weight_format, num_tokens):
+            chosen = CUBLAS
+        else:
+            chosen = TRITON if self.quantized_weights else CUBLAS
+        return dict(IN_PLACE_GEMMS) if chosen == CUBLAS else {}

@@ -41,6 +41,7 @@ from jaxserve.checkpoint.lora_slots import SlotWeights
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.model.config import LlamaConfig
+from jaxserve.model.llama import projection_format
 from jaxserve.model.kv_quantization import kv_pool_dtype
 from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.parallel import KV_POOL_SPEC, logits_partition_spec, make_tp_mesh
@@ -48,7 +49,7 @@ from jaxserve.parallel.process_group import abort_group
 from jaxserve.runner.attention_check import checked_attention_backend
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard
-from jaxserve.runner.compile_options import step_compiler_options
+from jaxserve.runner.compile_options import StepCompilerOptions
 from jaxserve.runner.lockstep import StepChannel, spans_processes
 from jaxserve.runner.lora_slots import DeviceLoraSlots
 from jaxserve.runner.pooling_programs import PoolingPrograms
@@ -146,7 +147,8 @@ class ModelRunner:
         # The compiled programs of every bucket (compiled by warm_up) and their transfer buffers' layouts: a
         # pooling engine's (--runner pooling) pool hidden states instead of sampling (run_pooling)
         platform = self.mesh.devices.flat[0].platform
-        step_options = step_compiler_options(platform, config.gemm_backend, _has_quantized_weights(params))
+        step_options = StepCompilerOptions(platform, config.gemm_backend, _has_quantized_weights(params),
+                                           projection_format(nnx.merge(graphdef, self._abstract_params)))
         self.programs = (PoolingPrograms(graphdef, arguments, config, self.buckets, step_options, self.guard)
                          if config.pooling else
                          StepPrograms(graphdef, arguments, config, model_config.vocab_size, self.buckets, self.inputs,

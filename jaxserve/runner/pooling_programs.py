@@ -22,6 +22,7 @@ from jaxserve.runner.compile_guard import CompileGuard
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.pooling_step import PoolingArrays, pooling_arrays, run_packed_pooling
 from jaxserve.runner.program_store import ProgramStore
+from jaxserve.runner.compile_options import StepCompilerOptions
 from jaxserve.runner.step_programs import (AbstractArguments, ProgramLowering, WarmupStats, temp_bytes,
                                            compile_lowerings)
 from jaxserve.schedule import ScheduledSequence
@@ -31,7 +32,7 @@ class PoolingPrograms:
     """The compiled pooling program of every plain bucket and the transfer buffer layout each one reads."""
 
     def __init__(self, graphdef: nnx.GraphDef, arguments: AbstractArguments, config: EngineConfig,
-                 buckets: BucketSet, step_options: dict, guard: CompileGuard):
+                 buckets: BucketSet, step_options: StepCompilerOptions, guard: CompileGuard):
         self._arguments = arguments
         self._config = config
         self._buckets = buckets
@@ -72,7 +73,8 @@ class PoolingPrograms:
 
     def lowerings(self, num_pages: int) -> list[ProgramLowering]:
         """Every program `compile_all` compiles for a pool of `num_pages` pages, not yet lowered."""
-        return [ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages), self._step_options)
+        return [ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages),
+                                self._step_options.of(bucket.num_tokens))
                 for bucket in self.bucket_list()]
 
     @property
@@ -83,7 +85,8 @@ class PoolingPrograms:
         """Temporary memory of the largest pooling step on one device (StepPrograms.largest_workspace_bytes)."""
         largest = self._buckets.select(self._config.max_num_batched_tokens, self._config.max_num_seqs)
         with self._guard.watch():
-            return temp_bytes(self._lower(largest, num_pages).compile(compiler_options=self._step_options or None))
+            return temp_bytes(self._lower(largest, num_pages).compile(
+                compiler_options=self._step_options.of(largest.num_tokens) or None))
 
     def compiled_workspaces(self) -> dict[str, int]:
         """Temporary memory of every program compiled (on one device), by program."""

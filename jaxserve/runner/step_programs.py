@@ -28,6 +28,7 @@ from jaxserve.model.paged_kv_cache import PagedKVCache
 from jaxserve.model.quantization import XLA_GEMM
 from jaxserve.runner.buckets import BucketSet, StepBucket
 from jaxserve.runner.compile_guard import CompileGuard, counting_compiles
+from jaxserve.runner.compile_options import StepCompilerOptions
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.program_keys import ProgramCall, UnstableKeyError, program_key
 from jaxserve.runner.program_store import ProgramStore, compiling_afresh
@@ -108,14 +109,14 @@ class StepPrograms:
     """The compiled programs of every bucket, and the transfer buffer layout each one reads its inputs from."""
 
     def __init__(self, graphdef: nnx.GraphDef, arguments: AbstractArguments, config: EngineConfig,
-                 vocab_size: int, buckets: BucketSet, inputs: StepInputBuilder, step_options: dict,
+                 vocab_size: int, buckets: BucketSet, inputs: StepInputBuilder, step_options: StepCompilerOptions,
                  guard: CompileGuard, stacked_gemm: str = XLA_GEMM, lowering_mesh=None):
         self._arguments = arguments
         self._config = config
         self._vocab_size = vocab_size
         self._buckets = buckets
         self._inputs = inputs  # gives each bucket's padding inputs: the shapes its transfer buffer packs
-        self._step_options = step_options  # XLA options of the step programs (samplers keep the defaults)
+        self._step_options = step_options  # each step program's XLA options (samplers keep the defaults)
         self._guard = guard
         # How the step programs read quantized weights (model/quantization.py): a static argument of each, so that
         # it keys them in a program store
@@ -170,7 +171,8 @@ class StepPrograms:
         program (a plain bucket's forward), then two samplers per row count of the plain buckets (with and without
         truncation)."""
         return ([ProgramLowering(bucket, False, functools.partial(self._lower, bucket, num_pages),
-                                 self._step_options, functools.partial(self._call, bucket, num_pages))
+                                 self._step_options.of(bucket.num_tokens),
+                                 functools.partial(self._call, bucket, num_pages))
                  for bucket in self._buckets.all_buckets()]
                 + [ProgramLowering(StepBucket(rows, rows), True, functools.partial(self._lower_sampling, rows, truncation),
                                    {}, functools.partial(self._sampling_call, rows, truncation), truncation)
@@ -208,7 +210,8 @@ class StepPrograms:
     def workspace_bytes(self, bucket: StepBucket, num_pages: int) -> int:
         """Temporary memory of the bucket's program (a plain bucket's forward) against a pool of `num_pages`."""
         with self._guard.watch():
-            return temp_bytes(self._lower(bucket, num_pages).compile(compiler_options=self._step_options or None))
+            options = self._step_options.of(bucket.num_tokens)
+            return temp_bytes(self._lower(bucket, num_pages).compile(compiler_options=options or None))
 
     def layout(self, bucket: StepBucket) -> PackedLayout:
         """The transfer buffer of the bucket's program, or of a plain bucket's two programs."""

@@ -96,11 +96,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser, compiled: bool = True) ->
     group.add_argument("--config", type=Path, help="YAML preset from configs/")
     for field in flag_fields():
         flag = "--" + field.name.replace("_", "-")
+        # argparse formats help with %: a literal one ("4% of max_model_len") must be doubled
+        text = field.metadata["help"].replace("%", "%%")
         if flag_type(field.name) is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                               help=field.metadata["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            group.add_argument(flag, type=flag_type(field.name), help=field.metadata["help"])
+            group.add_argument(flag, type=flag_type(field.name), help=text)
     if compiled:
         group.add_argument("--compiled", dest="compiled_dir", metavar="DIR",
                            help="a store of compiled step programs (`jaxserve compile --out DIR`, or any earlier "

@@ -96,6 +96,20 @@ def test_an_unknown_flag_gets_the_subcommands_usage():
     assert "--max-num-seqs" in result.stderr  # the usage lists the flag meant
 
 
+@pytest.mark.parametrize("command", ["serve", "generate", "run-batch", "convert", "compile"])
+def test_every_commands_help_prints_its_flags(command, capsys):
+    """Help text is formatted by argparse, where a lone % (a flag's "4% of max_model_len") once crashed --help."""
+    from jaxserve.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"usage: jaxserve {command}")
+    if command != "convert":
+        assert "4% of max_model_len" in " ".join(printed.split())
+
+
 @pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.yaml")), ids=lambda path: path.name)
 def test_every_preset_loads(preset):
     config = load_config(preset, {})

@@ -80,7 +80,7 @@ def _fields_page() -> str:
 
 def _group_section(title: str, description: str | None, actions: list[argparse.Action],
                    engine_defaults: dict, level: str = "##") -> str:
-    rows = [f"| `{_invocation(a)}` | {_cell(_default(a, engine_defaults))} | {_cell(a.help or '')} |"
+    rows = [f"| `{_invocation(a)}` | {_cell(_default(a, engine_defaults))} | {_cell(_unescaped(a.help))} |"
             for a in actions]
     intro = f"{description[0].upper()}{description[1:]}.\n\n" if description else ""
     return (f"\n{level} {title.capitalize()}\n\n{intro}| flag | default | what it does |\n|---|---|---|\n"
@@ -90,6 +90,11 @@ def _group_section(title: str, description: str | None, actions: list[argparse.A
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(action.choices)
+
+
+def _unescaped(text: str | None) -> str:
+    """An argument's help as --help prints it: argparse's %% escape printed as %."""
+    return (text or "").replace("%%", "%")
 
 
 def _help_of(parser: argparse.ArgumentParser, name: str) -> str:

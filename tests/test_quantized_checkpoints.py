@@ -406,7 +406,7 @@ def tensor_parallel_report(parity_libraries, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parity
-def test_block_and_channel_scales_split_and_repeat_with_their_weights_under_tensor_parallelism(
+def test_block_channel_and_int4_group_scales_split_and_repeat_with_their_weights_under_tensor_parallelism(
         tensor_parallel_report):
     for name, engines in tensor_parallel_report["engines"].items():
         single = engines["1"]
@@ -430,6 +430,10 @@ def test_tensor_parallelism_that_would_split_a_weight_block_is_refused(tensor_pa
     assert refused["row-parallel columns"].startswith(
         "tensor parallelism gives each device 64 of the 128 columns of model.layers.mlp.down_proj.weight, not a "
         "whole number of the checkpoint's 16x48 weight blocks")
+    assert refused["int4 group split"] == (
+        "tensor parallelism gives each device 64 of the 128 columns of model.layers.mlp.down_proj.weight, not a "
+        "whole number of the checkpoint's groups of 48 columns: choose a tensor_parallel_size that splits it into "
+        "whole groups")
 
 
 KV_SCALES = ((0.5, 2.0), (0.25, 4.0))  # (K per layer, V per layer) of the two-layer test model

@@ -39,6 +39,9 @@ from jaxserve.checkpoint.orbax_io import plan_orbax_restore, save_orbax
 from jaxserve.checkpoint.param_tree import (abstract_params, checkpoint_tensors, fill_params, flat_arrays,
                                             tensor_targets, unchanged_targets)
 from jaxserve.checkpoint.quantize import online_quantization_name, quantized_arrays
+from jaxserve.checkpoint.int4_checkpoint import (Int4Quantization, int4_quantization, int4_targets,
+                                                 is_pack_quantized)
+from jaxserve.checkpoint.int4_checkpoint import unread_tensors as int4_unread_tensors
 from jaxserve.checkpoint.quantized_checkpoint import (CheckpointQuantization, check_requested, checkpoint_quantization,
                                                       kv_cache_scales, quantized_targets, unread_tensors)
 from jaxserve.checkpoint.safetensors_loader import load_safetensors, plan_safetensors_load
@@ -138,7 +141,7 @@ def plan_model(model_dir: Path | None, dtype: str = "auto", tensor_parallel_size
     check_model_dir(model_dir)
     raw_config = read_config_json(model_dir / CONFIG_FILE)
     cfg = LlamaConfig.from_hf_dict(raw_config)
-    stored_quantization = checkpoint_quantization(raw_config.get("quantization_config"))
+    stored_quantization = _stored_quantization(raw_config.get("quantization_config"))
     check_requested(stored_quantization, quantization)
     layout = plan_tensor_parallel(cfg, tensor_parallel_size)
     target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
@@ -170,10 +173,15 @@ def _plan(layout: TensorParallelLayout, dtype: np.dtype, quantization: str | Non
                      checkpoint_config=layout.checkpoint_config)
 
 
+def _stored_quantization(config) -> CheckpointQuantization | Int4Quantization | None:
+    """The scheme of config.json's quantization_config: 4-bit (pack-quantized) or FP8; None: unquantized."""
+    return int4_quantization(config) if is_pack_quantized(config) else checkpoint_quantization(config)
+
+
 def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, model_dir: Path,
-                               quantization: CheckpointQuantization) -> ModelPlan:
-    """The plan of a pre-quantized checkpoint: float8 weights and their scales read as stored, in the format the
-    checkpoint's config names (safetensors only: `convert_hf_to_orbax` refuses such folders)."""
+                               quantization: CheckpointQuantization | Int4Quantization) -> ModelPlan:
+    """The plan of a pre-quantized checkpoint: float8 or packed 4-bit weights and their scales read as stored, in the
+    format the checkpoint's config names (safetensors only: `convert_hf_to_orbax` refuses such folders)."""
     if has_orbax_checkpoint(model_dir):
         raise ModelLoadError(f"{orbax_dir(model_dir)} holds an Orbax checkpoint but config.json describes a "
                              f"pre-quantized one ({quantization.name}); jaxserve reads pre-quantized weights from "
@@ -181,8 +189,12 @@ def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, mo
     fmt = quantization.weight_format
     placed = abstract_params(layout.model_config, dtype, layout.param_sharding, fmt)
     stored = abstract_params(layout.checkpoint_config, dtype, layout.param_sharding, fmt)
-    targets = quantized_targets(tensor_targets(stored, placed, layout.stored_rows), quantization)
-    read_arrays = plan_safetensors_load(model_dir, targets, unread=unread_tensors(quantization))
+    targets = tensor_targets(stored, placed, layout.stored_rows)
+    if isinstance(quantization, Int4Quantization):
+        targets, unread = int4_targets(targets, quantization), int4_unread_tensors()
+    else:
+        targets, unread = quantized_targets(targets, quantization), unread_tensors(quantization)
+    read_arrays = plan_safetensors_load(model_dir, targets, unread=unread)
     scales = kv_cache_scales(model_dir, layout.model_config.num_hidden_layers) if quantization.kv_cache_scales else None
     return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), dtype, model_dir,
                      "safetensors", layout.mesh, lambda progress: fill_params(placed, read_arrays(progress)),
@@ -205,10 +217,10 @@ def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> N
     if orbax_dir(out_dir).exists():
         raise ModelLoadError(f"{orbax_dir(out_dir)} already exists; remove it or convert into another folder")
     raw_config = read_config_json(hf_dir / CONFIG_FILE)
-    stored_quantization = checkpoint_quantization(raw_config.get("quantization_config"))
+    stored_quantization = _stored_quantization(raw_config.get("quantization_config"))
     if stored_quantization is not None:
         raise ModelLoadError(f"{hf_dir} holds a pre-quantized checkpoint ({stored_quantization.name}), which "
-                             f"conversion does not keep; load the folder as it is: its float8 safetensors load "
+                             f"conversion does not keep; load the folder as it is: its quantized safetensors load "
                              f"directly")
     cfg = LlamaConfig.from_hf_dict(raw_config)
     host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])

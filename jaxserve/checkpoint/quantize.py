@@ -9,7 +9,8 @@ from collections.abc import Mapping
 
 import jax
 
-from jaxserve.model.quantization import SCALE_SUFFIX, WeightFormat, dequantize, quantize, weight_format
+from jaxserve.model.quantization import (SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, dequantize, quantize,
+                                         weight_format)
 
 
 def quantized_arrays(arrays: Mapping[str, jax.Array], specs: Mapping[str, jax.ShapeDtypeStruct],
@@ -47,8 +48,10 @@ def online_quantization_name(quantization: str | None) -> str | None:
 
 def dequantized_arrays(arrays: Mapping[str, jax.Array], dtype,
                        block: tuple[int, int] | None = None) -> dict[str, jax.Array]:
-    """The reference path: each quantized weight rebuilt in full (`dtype`) and its scale dropped, so that an
-    unquantized model runs exactly the weights a quantized one stands for; `block` is the block-scaled format's
-    block (None: per-channel scales)."""
-    return {name: dequantize(array, arrays[name + SCALE_SUFFIX], dtype, block) if name + SCALE_SUFFIX in arrays
-            else array for name, array in arrays.items() if not name.endswith(SCALE_SUFFIX)}
+    """The reference path: each quantized weight rebuilt in full (`dtype`) and its scale (and zero point) dropped,
+    so that an unquantized model runs exactly the weights a quantized one stands for; `block` is the block-scaled
+    (or grouped) format's block (None: per-channel scales)."""
+    return {name: dequantize(array, arrays[name + SCALE_SUFFIX], dtype, block,
+                             arrays.get(name + ZERO_POINT_SUFFIX)) if name + SCALE_SUFFIX in arrays
+            else array for name, array in arrays.items()
+            if not name.endswith((SCALE_SUFFIX, ZERO_POINT_SUFFIX))}

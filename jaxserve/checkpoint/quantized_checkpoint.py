@@ -104,10 +104,10 @@ def checkpoint_quantization(config: Any) -> CheckpointQuantization | None:
         f"unquantized checkpoint itself (--quantization int8 or fp8)")
 
 
-def check_requested(checkpoint: CheckpointQuantization | None, requested: str | None) -> None:
-    """A pre-quantized checkpoint decides its format: --quantization fp8 agrees with it (as vLLM accepts it),
-    anything else is a `ConfigError`."""
-    if checkpoint is not None and requested not in (None, "fp8"):
+def check_requested(checkpoint, requested: str | None) -> None:
+    """A pre-quantized checkpoint (a CheckpointQuantization or a 4-bit one) decides its format: --quantization
+    naming that format (fp8, as vLLM accepts it) agrees with it, anything else is a `ConfigError`."""
+    if checkpoint is not None and requested not in (None, checkpoint.weight_format.name):
         raise ConfigError(f"--quantization {requested} contradicts the checkpoint's own scheme, {checkpoint.name}; "
                           f"leave --quantization out (or pass fp8) to run it as stored")
 
@@ -121,7 +121,7 @@ def quantized_targets(targets: Mapping[str, TensorTarget],
     for name, target in targets.items():
         if name.endswith(_WEIGHT + SCALE_SUFFIX):
             weight = targets[name.removesuffix(SCALE_SUFFIX)]
-            _check_quantized(weight, quantization.unquantized_reason)
+            check_quantized(weight, quantization.unquantized_reason)
             out[name] = _scale_target(name, target, weight, quantization)
     return out
 
@@ -143,36 +143,39 @@ def _scale_target(name: str, target: TensorTarget, weight: TensorTarget,
     if quantization.strategy == "channel":
         return dataclasses.replace(target, sources=sources, stored_shape=(out_features, 1),
                                    convert=functools.partial(np.reshape, shape=(out_features,)))
-    _check_whole_blocks_per_device(name, weight, quantization.block)
+    check_whole_blocks_per_device(name, weight, quantization.block)
     return dataclasses.replace(target, sources=sources,
                                stored_shape=scale_shape(quantization.weight_format, out_features, in_features),
                                stored_rows=_block_rows(weight.stored_rows, quantization.block[0]))
 
 
-def _check_whole_blocks_per_device(name: str, weight: TensorTarget, block: tuple[int, int]) -> None:
+def check_whole_blocks_per_device(name: str, weight: TensorTarget, block: tuple[int, int]) -> None:
     """ConfigError unless each device's share of the weight's rows and columns is a whole number of blocks, so
     that its share of the scales covers exactly its share of the weight."""
     shape = weight.placed.shape[-2:]
     shard = weight.placed.sharding.shard_shape(weight.placed.shape)[-2:]
     repeated = " (its KV heads repeated, one per device)" if weight.stored_rows is not None else ""
+    # A 4-bit checkpoint's groups are blocks of one row: named as groups
+    unit = "groups" if block[0] == 1 else "blocks"
+    blocks = f"groups of {block[1]} columns" if block[0] == 1 else f"{block[0]}x{block[1]} weight blocks"
     for size, share, block_size, what in zip(shape, shard, block, ("rows", "columns")):
         if share != size and share % block_size:
             raise ConfigError(
                 f"tensor parallelism gives each device {share} of the {size} {what} of "
-                f"{name.removesuffix(SCALE_SUFFIX)}{repeated}, not a whole number of the checkpoint's "
-                f"{block[0]}x{block[1]} weight blocks: choose a tensor_parallel_size that splits it into whole blocks")
+                f"{name.removesuffix(SCALE_SUFFIX)}{repeated}, not a whole number of the checkpoint's {blocks}: "
+                f"choose a tensor_parallel_size that splits it into whole {unit}")
 
 
 def _block_rows(weight_rows: np.ndarray | None, rows: int) -> np.ndarray | None:
     """i64[placed out blocks]: the stored block row each placed block row of scales copies, where tensor parallelism
     repeats KV heads (`weight_rows`, i64[placed out]: the stored row of each placed weight row; `rows` per block).
 
-    Each device then holds one copy of one KV head, which `_check_whole_blocks_per_device` has found to be a whole
+    Each device then holds one copy of one KV head, which `check_whole_blocks_per_device` has found to be a whole
     number of blocks; so every placed block lies inside one head copy, and is a whole stored block."""
     return None if weight_rows is None else weight_rows[::rows] // rows
 
 
-def _check_quantized(weight: TensorTarget, unquantized_reason: UnquantizedReason) -> None:
+def check_quantized(weight: TensorTarget, unquantized_reason: UnquantizedReason) -> None:
     """UnsupportedModelError when the config leaves a decoder projection unquantized: jaxserve quantizes them all."""
     for source in weight.sources:
         module = source.removesuffix(_WEIGHT)
@@ -190,7 +193,7 @@ def _compressed_tensors(config: Mapping[str, Any]) -> CheckpointQuantization:
     groups = config.get("config_groups") or {}
     if not isinstance(groups, Mapping) or not groups:
         raise UnsupportedModelError("compressed-tensors quantization_config has no config_groups")
-    schemes = {name: _ct_scheme(name, group) for name, group in groups.items()}
+    schemes = {name: ct_scheme(name, group) for name, group in groups.items()}
     scheme = next(iter(schemes.values()))
     if any(other != scheme for other in schemes.values()):
         raise UnsupportedModelError(
@@ -204,7 +207,7 @@ def _compressed_tensors(config: Mapping[str, Any]) -> CheckpointQuantization:
     return CheckpointQuantization(
         method=COMPRESSED_TENSORS, strategy=strategy, block=block, scale_name="weight" + SCALE_SUFFIX,
         activations=_ct_activations(inputs), kv_cache_scales=config.get("kv_cache_scheme") is not None,
-        unquantized_reason=functools.partial(_ct_unquantized, targets, tuple(config.get("ignore") or ())))
+        unquantized_reason=functools.partial(ct_unquantized, targets, tuple(config.get("ignore") or ())))
 
 
 def _check_ct_storage(config: Mapping[str, Any]) -> None:
@@ -224,7 +227,7 @@ def _check_ct_storage(config: Mapping[str, Any]) -> None:
         raise UnsupportedModelError("compressed-tensors transform_config (weight rotations) is not supported")
 
 
-def _ct_scheme(name: str, group: Any) -> tuple:
+def ct_scheme(name: str, group: Any) -> tuple:
     """(weights, input_activations, output_activations) of one config group: what must agree across groups."""
     if not isinstance(group, Mapping) or not isinstance(group.get("weights"), Mapping):
         raise UnsupportedModelError(f"compressed-tensors config group {name} has no weights scheme")
@@ -262,7 +265,7 @@ def _ct_activations(inputs: Mapping[str, Any] | None) -> str | None:
     return STATIC_ACTIVATIONS
 
 
-def _ct_unquantized(targets: tuple[str, ...], ignore: tuple[str, ...], module: str) -> str | None:
+def ct_unquantized(targets: tuple[str, ...], ignore: tuple[str, ...], module: str) -> str | None:
     """compressed-tensors' rule: a module is quantized when a target and no ignore entry matches it; an entry
     matches by class name ("Linear"), by "re:" regular expression (from the name's start) or by the exact name."""
     if not any(_ct_matches(target, module) for target in targets):

@@ -46,7 +46,12 @@ _STORED_DTYPES = {
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(jnp.bfloat16),
     "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
+    # Packed 4-bit weights and their zero points (int32 words), and each one's shape (int64, never read); only
+    # targets that name their stored dtype (TensorTarget.stored_dtype) take them
+    "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64),
 }
+_INTEGER_DTYPES = frozenset({np.dtype(np.int32), np.dtype(np.int64)})
 # Stored dtypes safetensors' numpy reader cannot return (numpy has no float8): read memory-mapped instead. Only
 # quantized parameters (of the same dtype) take them.
 _MEMMAPPED_DTYPES = frozenset({np.dtype(jnp.float8_e4m3fn)})
@@ -118,6 +123,9 @@ def _check_quantized_dtypes(stored: Mapping[str, StoredTensor], targets: Mapping
         quantized = target.placed.dtype in _MEMMAPPED_DTYPES
         for name in filter(stored.__contains__, target.sources):
             tensor = stored[name]
+            if target.stored_dtype is not None or tensor.dtype in _INTEGER_DTYPES:
+                _check_integer_dtype(name, tensor, target)
+                continue
             if tensor.dtype in _MEMMAPPED_DTYPES and not quantized:
                 raise UnsupportedModelError(
                     f"tensor {name} in {tensor.file} is float8 ({tensor.dtype.name}), but config.json has no "
@@ -126,6 +134,17 @@ def _check_quantized_dtypes(stored: Mapping[str, StoredTensor], targets: Mapping
                 raise ModelLoadError(
                     f"tensor {name} in {tensor.file} has dtype {tensor.dtype.name}, but the checkpoint's "
                     f"quantization_config stores it as {target.placed.dtype.name}")
+
+
+def _check_integer_dtype(name: str, tensor: StoredTensor, target: TensorTarget) -> None:
+    """A packed tensor is stored in the dtype its format names; an integer tensor goes nowhere else."""
+    if target.stored_dtype is None:
+        raise UnsupportedModelError(
+            f"tensor {name} in {tensor.file} has dtype {tensor.dtype.name}; jaxserve loads float weights only, "
+            f"packed integer ones from 4-bit checkpoints whose config.json says so")
+    if tensor.dtype != target.stored_dtype:
+        raise ModelLoadError(f"tensor {name} in {tensor.file} has dtype {tensor.dtype.name}, but the checkpoint's "
+                             f"quantization_config stores it as {target.stored_dtype.name}")
 
 
 def stream_to_device(
@@ -237,7 +256,8 @@ def _describe(reader: safe_open, name: str, file: Path) -> StoredTensor:
     if code not in _STORED_DTYPES:
         raise UnsupportedModelError(
             f"tensor {name} in {file} has dtype {code}; jaxserve loads float weights only "
-            f"({', '.join(_STORED_DTYPES)}), float8 ones from FP8 checkpoints"
+            f"({', '.join(code for code, dtype in _STORED_DTYPES.items() if dtype not in _INTEGER_DTYPES)}), float8 "
+            f"ones from FP8 checkpoints, packed int32 ones from 4-bit checkpoints"
         )
     return StoredTensor(file=file, shape=tuple(header.get_shape()), dtype=_STORED_DTYPES[code])
 

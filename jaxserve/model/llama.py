@@ -61,6 +61,9 @@ class QuantizedLinear(nnx.Module):
         self.weight_scale = nnx.Param(jnp.ones((*stack, *scale_shape(fmt, out_features, in_features)), jnp.float32))
         self.input_scale = (nnx.Param(jnp.ones((*stack, 1), jnp.float32)) if fmt.activations == STATIC_ACTIVATIONS
                             else None)
+        # int8[..., scale's shape]: an asymmetric 4-bit checkpoint's zero points (weight ≈ (q - zero) * scale)
+        self.weight_zero_point = (nnx.Param(jnp.zeros(self.weight_scale.get_value().shape, jnp.int8))
+                                  if fmt.zero_points else None)
         self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
         self.block = fmt.block  # (rows, columns) one scale covers; None: per output channel
         self.format = fmt  # static: how the weights are stored and whether many-token steps quantize activations
@@ -71,8 +74,14 @@ class QuantizedLinear(nnx.Module):
             input_scale = None if self.input_scale is None else self.input_scale[...]
             y = w8a8_matmul(x, q, scale, self.format, input_scale)
         else:
-            y = scaled_matmul(x, q, scale, self.block)
+            y = scaled_matmul(x, q, scale, self.block, self._zero_point())
         return y if self.bias is None else y + self.bias[...]
+
+    def _zero_point(self, layer: jax.Array | None = None) -> jax.Array | None:
+        if self.weight_zero_point is None:
+            return None
+        zero_point = self.weight_zero_point[...]
+        return zero_point if layer is None else zero_point[layer]
 
     def from_stack(self, x: jax.Array, layer: jax.Array, stacked_gemm: str) -> jax.Array:
         """The same product where weight and weight_scale hold every layer (q[L, out, in], f32[L, ...]) and `layer`
@@ -80,8 +89,8 @@ class QuantizedLinear(nnx.Module):
         scan would have."""
         q, scale = self.weight[...], self.weight_scale[...]
         out_features, in_features = q.shape[-2:]
-        if self.block is not None or not fits(in_features, out_features):
-            y = scaled_matmul(x, q[layer], scale[layer], self.block)
+        if not self.format.kernel_reads_stacks or not fits(in_features, out_features):
+            y = scaled_matmul(x, q[layer], scale[layer], self.block, self._zero_point(layer))
         else:
             rows = x.reshape(-1, in_features)  # f[B * T, in]
             y = quantized_matmul(rows, q, scale, layer, interpret=stacked_gemm == PALLAS_INTERPRET_GEMM)

@@ -23,6 +23,11 @@ checkpoint's calibrated per-tensor `input_scale`. The GEMM then multiplies two f
 float32, and both scales multiply its output (`w8a8_matmul`; `w8a8_reference` is the same product on dequantized
 float32 operands). Block-scaled formats keep W8A16.
 
+4-bit checkpoints (W4A16; checkpoint/int4_checkpoint.py) run as `int4_format`: int4 weights, a scale per group of
+input features (a block of one row) or per channel, and zero points where asymmetric: weight = (q - zero) * scale,
+dequantized into the activations' dtype inside the step and fed to the dot. XLA:GPU does not fuse grouped scales
+into its GEMM, so that weight is widened in memory: a fused 4-bit kernel is still to come.
+
 Embeddings, norms and lm_head stay unquantized, as vLLM leaves them.
 
 Inside the decoder's layer scan, XLA reads a per-channel weight's layer slice either by copying it out of the stack
@@ -58,11 +63,19 @@ class WeightFormat:
     # How steps of more than IN_PLACE_MAX_ROWS tokens quantize the projections' inputs: DYNAMIC_ACTIVATIONS (per
     # token), STATIC_ACTIVATIONS (the checkpoint's per-tensor `input_scale`), or None (weight-only, W8A16)
     activations: str | None = None
+    # Each scale has a zero point beside it (`weight_zero_point`, int8 of the scale's shape): weight ≈ (q - zero) *
+    # scale, as asymmetric 4-bit checkpoints store them
+    zero_points: bool = False
 
     @property
     def quantizes_activations(self) -> bool:
         """Prefill and mixed steps run W8A8: float8 per-channel weights with activations quantized to float8."""
         return self.activations is not None and self.block is None and self.dtype == np.dtype(jnp.float8_e4m3fn)
+
+    @property
+    def kernel_reads_stacks(self) -> bool:
+        """kernels_pallas/quantized_matmul.py can read this format's stacked weights in place (8-bit, per channel)."""
+        return self.block is None and not self.zero_points and self.dtype.itemsize == 1 and self.dtype != INT4
 
 
 # How a step program multiplies by layer-stacked quantized weights (EngineConfig.stacked_gemm): XLA on each layer's
@@ -83,8 +96,20 @@ WEIGHT_FORMATS = {
     "fp8": WeightFormat("fp8", np.dtype(jnp.float8_e4m3fn), float(jnp.finfo(jnp.float8_e4m3fn).max), rounds=False,
                         activations=DYNAMIC_ACTIVATIONS),
 }
-QUANTIZED_DTYPES = tuple(fmt.dtype for fmt in WEIGHT_FORMATS.values())  # what a quantized weight is stored in
+INT4 = np.dtype(jnp.int4)  # 4-bit weights (W4A16 checkpoints), signed -8..7
+
+
+def int4_format(group_size: int | None, zero_points: bool) -> WeightFormat:
+    """A 4-bit checkpoint's format: signed int4 weights with a scale per `group_size` consecutive input features of
+    each output channel (None: one per channel), and zero points where the checkpoint is asymmetric."""
+    return WeightFormat("int4", INT4, 7.0, rounds=True, block=None if group_size is None else (1, group_size),
+                        zero_points=zero_points)
+
+
+# What a quantized weight is stored in
+QUANTIZED_DTYPES = (*(fmt.dtype for fmt in WEIGHT_FORMATS.values()), INT4)
 SCALE_SUFFIX = "_scale"  # `...q_proj.weight_scale` beside `...q_proj.weight`
+ZERO_POINT_SUFFIX = "_zero_point"  # `...q_proj.weight_zero_point` beside `...q_proj.weight_scale`
 
 
 def weight_format(quantization: str | WeightFormat) -> WeightFormat:
@@ -117,10 +142,15 @@ def quantize(weight: jax.Array, fmt: WeightFormat) -> tuple[jax.Array, jax.Array
     return jnp.clip(scaled, -fmt.max_value, fmt.max_value).astype(fmt.dtype), scale
 
 
-def dequantize(q: jax.Array, scale: jax.Array, dtype, block: tuple[int, int] | None = None) -> jax.Array:
+def dequantize(q: jax.Array, scale: jax.Array, dtype, block: tuple[int, int] | None = None,
+               zero_point: jax.Array | None = None) -> jax.Array:
     """The weight q[..., out, in] stands for, in `dtype`: times scale f32[..., out] per output channel, or, with
-    `block` = (rows, columns), times scale f32[..., out blocks, in blocks] over each block."""
-    return (q.astype(jnp.float32) * _scale_per_weight(scale, block, q.shape[-2:])).astype(dtype)
+    `block` = (rows, columns), times scale f32[..., out blocks, in blocks] over each block; less its zero point
+    (of the scale's shape) first, where one is given."""
+    values = q.astype(jnp.float32)
+    if zero_point is not None:
+        values = values - _scale_per_weight(zero_point.astype(jnp.float32), block, q.shape[-2:])
+    return (values * _scale_per_weight(scale, block, q.shape[-2:])).astype(dtype)
 
 
 def _scale_per_weight(scale: jax.Array, block: tuple[int, int] | None, shape: tuple[int, int]) -> jax.Array:
@@ -133,12 +163,12 @@ def _scale_per_weight(scale: jax.Array, block: tuple[int, int] | None, shape: tu
     return repeated[..., :shape[0], :shape[1]]
 
 
-def scaled_matmul(x: jax.Array, q: jax.Array, scale: jax.Array,
-                  block: tuple[int, int] | None = None) -> jax.Array:  # f[..., out]
+def scaled_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, block: tuple[int, int] | None = None,
+                  zero_point: jax.Array | None = None) -> jax.Array:  # f[..., out]
     """x f[..., in] @ (q * scale).T, accumulated in float32. Per channel: the matmul on q cast to x's dtype, then the
-    output channels scaled; with `block`: the weight dequantized block-wise into x's dtype, then the matmul."""
-    if block is not None:
-        weight = dequantize(q, scale, x.dtype, block)  # f[out, in]
+    output channels scaled; with `block` or zero points: the weight dequantized into x's dtype, then the matmul."""
+    if block is not None or zero_point is not None:
+        weight = dequantize(q, scale, x.dtype, block, zero_point)  # f[out, in]
         return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
     y = jnp.einsum("...i,oi->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
@@ -191,4 +221,5 @@ def reads_in_place(stacked_gemm: str, rows: int) -> bool:
 
 def is_stacked_quantized_weight(path: tuple, variable) -> bool:
     """An nnx filter: a quantized projection's weight or scales, which a step reading in place keeps out of the scan."""
-    return path[-1] == "weight_scale" or (path[-1] == "weight" and variable.get_value().dtype in QUANTIZED_DTYPES)
+    return path[-1] in ("weight_scale", "weight_zero_point") or (
+        path[-1] == "weight" and variable.get_value().dtype in QUANTIZED_DTYPES)

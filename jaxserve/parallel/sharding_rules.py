@@ -64,10 +64,10 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
 )
 # f[kv_heads, num_layers, num_pages, page_size, head_dim]: whole KV heads per device.
 KV_POOL_SPEC = P(TP_AXIS, None, None, None, None)
-# A quantized weight's scales beside it: `...q_proj.weight_scale` for `...q_proj.weight`.
-_SCALE_OF_WEIGHT = ".weight_scale"
-# Rows of k_proj/v_proj (weights, their scales and biases): one block of head_dim rows per KV head.
-_KV_PROJECTION = re.compile(r"\.self_attn\.[kv]_proj\.(weight|weight_scale|bias)$")
+# A quantized weight's scales (and zero points) beside it: `...q_proj.weight_scale` for `...q_proj.weight`.
+_OF_WEIGHT = (".weight_scale", ".weight_zero_point")
+# Rows of k_proj/v_proj (weights, their scales, zero points and biases): one block of head_dim rows per KV head.
+_KV_PROJECTION = re.compile(r"\.self_attn\.[kv]_proj\.(weight|weight_scale|weight_zero_point|bias)$")
 
 
 def logits_partition_spec(vocab_size: int, mesh: Mesh) -> P:
@@ -79,14 +79,15 @@ def param_partition_spec(name: str, ndim: int = 1) -> P:
     """The rule's partition for parameter `name` (a stacked one with its layer axis whole); raises ValueError for
     a name no rule covers.
 
-    A quantized weight shards like the weight it stands for, and its scale like that weight over the axes the scale
-    has: `ndim` (the scale's rank without the layer axis) tells a per-output-channel scale f32[out] (1), which
+    A quantized weight shards like the weight it stands for, and its scale (and zero point) like that weight over
+    the axes the scale has: `ndim` (the scale's rank without the layer axis) tells a per-output-channel scale f32[out] (1), which
     splits with the output features (column-parallel) or stays whole (row-parallel: each device has every output
     feature), from a block scale f32[out blocks, in blocks] (2), split on the blocks of the axis the weight splits.
     """
-    if name.endswith(_SCALE_OF_WEIGHT):
-        weight_spec = param_partition_spec(name.removesuffix(_SCALE_OF_WEIGHT) + ".weight")
-        return P(*tuple(weight_spec)[:ndim + is_stacked(name)])
+    for suffix in _OF_WEIGHT:
+        if name.endswith(suffix):
+            weight_spec = param_partition_spec(name.removesuffix(suffix) + ".weight")
+            return P(*tuple(weight_spec)[:ndim + is_stacked(name)])
     for pattern, spec in PARAM_RULES:
         if re.search(pattern, name):
             return P(None, *spec) if is_stacked(name) else spec

@@ -1,0 +1,187 @@
+"""Pre-quantized 4-bit (W4A16) checkpoints loaded as they are: compressed-tensors `pack-quantized` (the
+`...quantized.w4a16` repositories llm-compressor writes), read into the model's canonical 4-bit form.
+
+The files, as compressed-tensors' pack-quantized compressor writes each decoder projection (K = in, N = out
+features, g = group size, G = ceil(K / g)):
+  - `weight_packed` I32 [N, ceil(K/8)]: eight 4-bit values per word along K, lowest bits first, each stored as its
+    value + 8 (signed -8..7 kept as 0..15);
+  - `weight_scale` (the model's float dtype) [N, G] per group, [N, 1] per channel;
+  - `weight_zero_point` I32 [ceil(N/8), G] (or [ceil(N/8), 1]), packed the same way along N: asymmetric schemes only;
+  - `weight_shape` I64 [2] = (N, K), which the config already gives: not read.
+The weight is (q - zero) * scale, each scale and zero covering g consecutive input features of one output channel.
+
+The canonical form (model/quantization.py `int4_format`): `weight` int4 [N, K], `weight_scale` f32 [N, G] (per
+channel: [N]), `weight_zero_point` int8 of the scale's shape where asymmetric, unpacked on the host as each tensor is
+read. Under tensor parallelism the scales and zero points split with their weight's rows or groups; a row-parallel
+projection whose input features would split a group across devices is refused, naming the sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxserve.checkpoint.param_tree import TensorTarget, UnreadTensors
+from jaxserve.checkpoint.quantized_checkpoint import (COMPRESSED_TENSORS, UnquantizedReason, check_quantized,
+                                                      check_whole_blocks_per_device, ct_scheme, ct_unquantized)
+from jaxserve.errors import UnsupportedModelError
+from jaxserve.model.quantization import SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, int4_format, scale_shape
+
+PACK_QUANTIZED = "pack-quantized"
+_WEIGHT = ".weight"
+_PACKED, _SHAPE = "_packed", "_shape"  # `...weight_packed` and `...weight_shape` beside `...weight_scale`
+_PER_WORD = 8  # 4-bit values in one int32 word
+_OFFSET = 8  # a stored 4-bit value is its signed value + 8
+_INT32 = np.dtype(np.int32)
+_STRATEGIES = ("group", "channel")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Quantization:
+    """How a 4-bit checkpoint stores the decoder's projections, from its config.json."""
+
+    method: str  # quant_method: COMPRESSED_TENSORS
+    group_size: int | None  # input features per scale; None: one scale per output channel
+    symmetric: bool  # no zero points: weight = q * scale
+    unquantized_reason: UnquantizedReason  # which modules the config leaves unquantized, and why
+    kv_cache_scales: bool = False  # 4-bit checkpoints with a kv_cache_scheme are refused
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        return int4_format(self.group_size, zero_points=not self.symmetric)
+
+    @property
+    def name(self) -> str:
+        """What runs, for the start-up line: "int4 (compressed-tensors pack-quantized W4A16, group 128, symmetric)"."""
+        scales = "per-channel" if self.group_size is None else f"group {self.group_size}"
+        kind = "symmetric" if self.symmetric else "asymmetric, zero points"
+        return f"int4 ({self.method} {PACK_QUANTIZED} W4A16, {scales}, {kind})"
+
+
+def is_pack_quantized(config: Any) -> bool:
+    """Whether config.json's quantization_config describes compressed-tensors packed (4-bit) weights."""
+    if not isinstance(config, Mapping) or config.get("quant_method") != COMPRESSED_TENSORS:
+        return False
+    groups = config.get("config_groups") or {}
+    formats = [config.get("format")] + [group.get("format") for group in groups.values() if isinstance(group, Mapping)]
+    return PACK_QUANTIZED in formats
+
+
+def int4_quantization(config: Mapping[str, Any]) -> Int4Quantization:
+    """The scheme of a pack-quantized compressed-tensors config after checking that jaxserve runs it:
+    `UnsupportedModelError` naming the setting for any other."""
+    groups = config.get("config_groups") or {}
+    if not isinstance(groups, Mapping) or not groups:
+        raise UnsupportedModelError("compressed-tensors quantization_config has no config_groups")
+    schemes = {name: ct_scheme(name, group) for name, group in groups.items()}
+    formats = {group.get("format") or config.get("format") for group in groups.values()}
+    if formats != {PACK_QUANTIZED} or len({repr(scheme) for scheme in schemes.values()}) != 1:
+        raise UnsupportedModelError(
+            f"compressed-tensors config groups {', '.join(groups)} quantize differently (formats "
+            f"{sorted(map(str, formats))}); jaxserve runs every decoder projection in one format")
+    weights, inputs, outputs = next(iter(schemes.values()))
+    if inputs is not None or outputs is not None:
+        raise UnsupportedModelError("compressed-tensors pack-quantized checkpoints with input_activations or "
+                                    "output_activations (W4A8) are not supported: weight-only (W4A16) ones are")
+    if (config.get("sparsity_config") or {}).get("format", "dense") != "dense" or config.get("transform_config"):
+        raise UnsupportedModelError("compressed-tensors sparsity and transform configs are not supported with 4-bit "
+                                    "weights")
+    if config.get("kv_cache_scheme") is not None:
+        raise UnsupportedModelError("compressed-tensors 4-bit checkpoints with a kv_cache_scheme are not supported")
+    group_size, symmetric = _weights(weights)
+    targets = tuple(target for group in groups.values() for target in group.get("targets") or ())
+    return Int4Quantization(method=COMPRESSED_TENSORS, group_size=group_size, symmetric=symmetric,
+                            unquantized_reason=functools.partial(ct_unquantized, targets,
+                                                                 tuple(config.get("ignore") or ())))
+
+
+def _weights(weights: Mapping[str, Any]) -> tuple[int | None, bool]:
+    """(group size or None per channel, symmetric) of a 4-bit integer, static weight scheme."""
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    if kind != "int" or bits != 4:
+        raise UnsupportedModelError(
+            f"compressed-tensors pack-quantized weights of type {kind!r} with num_bits {bits!r} are not supported: "
+            f"jaxserve loads 4-bit integer ones (W4A16)")
+    if strategy not in _STRATEGIES:
+        raise UnsupportedModelError(f"compressed-tensors 4-bit weight strategy {strategy!r} is not supported "
+                                    f"({', '.join(_STRATEGIES)})")
+    if weights.get("dynamic", False):
+        raise UnsupportedModelError("compressed-tensors 4-bit weights must be static (scales stored)")
+    if weights.get("actorder") == "group":
+        raise UnsupportedModelError("compressed-tensors 4-bit weights with actorder 'group' (a weight_g_idx "
+                                    "permutation per projection) are not supported yet")
+    if strategy == "channel":
+        return None, bool(weights.get("symmetric", True))
+    group_size = weights.get("group_size")
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise UnsupportedModelError(f"compressed-tensors quantization_config weights.group_size must be a positive "
+                                    f"integer for the group strategy, got {group_size!r}")
+    return group_size, bool(weights.get("symmetric", True))
+
+
+def int4_targets(targets: Mapping[str, TensorTarget], quantization: Int4Quantization) -> dict[str, TensorTarget]:
+    """`targets` of the model's 4-bit layout with each projection's weight, scales and zero points read from the
+    checkpoint's packed tensors. UnsupportedModelError where the config leaves a decoder projection unquantized,
+    ConfigError where tensor parallelism would split a group."""
+    out = dict(targets)
+    fmt = quantization.weight_format
+    for name, target in targets.items():
+        if not name.endswith(_WEIGHT + SCALE_SUFFIX):
+            continue
+        weight_name = name.removesuffix(SCALE_SUFFIX)
+        weight = targets[weight_name]
+        check_quantized(weight, quantization.unquantized_reason)
+        if fmt.block is not None:
+            check_whole_blocks_per_device(name, weight, fmt.block)
+        out[weight_name] = _packed_weight_target(weight)
+        out[name] = _scale_target(weight, target, fmt, SCALE_SUFFIX)
+        if fmt.zero_points:
+            zero_name = weight_name + ZERO_POINT_SUFFIX
+            out[zero_name] = _scale_target(weight, targets[zero_name], fmt, ZERO_POINT_SUFFIX)
+    return out
+
+
+def unread_tensors() -> UnreadTensors:
+    """The checkpoint's tensors no parameter reads: each projection's `weight_shape`, which the config implies."""
+    return UnreadTensors(dropped_suffixes=(_WEIGHT + _SHAPE,))
+
+
+def _packed_weight_target(weight: TensorTarget) -> TensorTarget:
+    """The weight read from `weight_packed` I32 [N, ceil(K/8)], unpacked on the host into int8 [N, K]."""
+    out_features, in_features = weight.stored_shape
+    return dataclasses.replace(
+        weight, sources=tuple(source + _PACKED for source in weight.sources),
+        stored_shape=(out_features, -(-in_features // _PER_WORD)), stored_dtype=_INT32,
+        convert=functools.partial(unpack_int4, count=in_features, axis=1))
+
+
+def _scale_target(weight: TensorTarget, target: TensorTarget, fmt: WeightFormat, suffix: str) -> TensorTarget:
+    """The scales (float [N, G] or [N, 1]) or zero points (I32 [ceil(N/8), G], packed along N) of one projection,
+    read into f32 / int8 [N, G], or [N] per channel, with the weight's rows."""
+    out_features, in_features = weight.stored_shape
+    groups = scale_shape(fmt, out_features, in_features)[1:] or (1,)  # (G,), or (1,) per channel
+    placed_shape = (out_features, *scale_shape(fmt, out_features, in_features)[1:])
+    sources = tuple(source + suffix for source in weight.sources)
+    if suffix == SCALE_SUFFIX:
+        return dataclasses.replace(target, sources=sources, stored_shape=(out_features, *groups),
+                                   convert=functools.partial(np.reshape, shape=placed_shape),
+                                   stored_rows=weight.stored_rows)
+    unpack = functools.partial(unpack_int4, count=out_features, axis=0)
+    return dataclasses.replace(target, sources=sources, stored_shape=(-(-out_features // _PER_WORD), *groups),
+                               stored_dtype=_INT32, stored_rows=weight.stored_rows,
+                               convert=lambda words: np.reshape(unpack(words), placed_shape))
+
+
+def unpack_int4(words: np.ndarray, count: int, axis: int) -> np.ndarray:
+    """int8 values -8..7 of int32 `words` holding eight 4-bit values each along `axis` (lowest bits first, each
+    stored as value + 8), the first `count` of them along that axis."""
+    moved = np.moveaxis(np.asarray(words, np.int32).view(np.uint32), axis, -1)  # u32[..., words]
+    shifts = np.arange(_PER_WORD, dtype=np.uint32) * 4
+    nibbles = (moved[..., None] >> shifts) & 0xF  # u32[..., words, 8]
+    values = nibbles.reshape(*moved.shape[:-1], -1)[..., :count].astype(np.int8) - _OFFSET
+    return np.moveaxis(values, -1, axis)
+

@@ -20,7 +20,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR, load_model, plan_model
-from jaxserve.checkpoint.int4_checkpoint import unpack_int4
+from jaxserve.checkpoint.int4_layout import AWQ_ORDER, unpack_int4
 from jaxserve.checkpoint.param_tree import abstract_params, fill_params, flat_arrays
 from jaxserve.checkpoint.quantize import dequantized_arrays
 from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
@@ -140,10 +140,12 @@ def test_the_engine_decodes_transformers_greedy_tokens(checkpoints):
         assert list(output.outputs[0].token_ids) == expected
 
 
-def test_unpacking_reads_eight_values_a_word_lowest_bits_first():
-    words = np.array([[0x76543210 - 2**32, 0xFEDCBA98 - 2**32]], np.int64).astype(np.int32)  # one row, two words
-    np.testing.assert_array_equal(unpack_int4(words, 16, axis=1), [np.arange(16) - 8])
-    np.testing.assert_array_equal(unpack_int4(words.T, 12, axis=0)[:, 0], np.arange(12) - 8)
+def test_unpacking_reads_eight_values_a_word_lowest_bits_first_or_in_awqs_interleave():
+    words = np.array([[0x76543210, 0xFEDCBA98 - 2**32]], np.int64).astype(np.int32)  # one row, two words
+    np.testing.assert_array_equal(unpack_int4(words, 16, axis=1), [np.arange(16)])
+    np.testing.assert_array_equal(unpack_int4(words.T, 12, axis=0)[:, 0], np.arange(12))
+    # AWQ: nibble i of a word holds value AWQ_ORDER[i] (0, 2, 4, 6, 1, 3, 5, 7)
+    np.testing.assert_array_equal(unpack_int4(words[:, :1], 8, 1, AWQ_ORDER), [[0, 4, 1, 5, 2, 6, 3, 7]])
 
 
 def _edited(folder: Path, tmp_path: Path, **weights) -> Path:
@@ -229,3 +231,126 @@ def test_an_integer_tensor_in_an_unquantized_checkpoint_is_refused(checkpoints, 
     edit_tensors(folder, lambda tensors: tensors.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}))
     with pytest.raises(UnsupportedModelError, match=r"model\.norm\.weight .* has dtype int32; jaxserve loads float"):
         plan_model(folder, "float32")
+
+
+# AWQ and GPTQ (jaxserve/checkpoint/int4_awq_gptq.py)
+
+GPTQ = {  # name -> (writer arguments, the format jaxserve reports running)
+    "gptq-v1-asym": (dict(group_size=32, symmetric=False, v1=True),
+                     "int4 (gptq v1 W4A16, group 32, asymmetric, zero points)"),
+    "gptq-v2-asym": (dict(group_size=32, symmetric=False, v1=False),
+                     "int4 (gptq v2 W4A16, group 32, asymmetric, zero points)"),
+    "gptq-v1-sym": (dict(group_size=32, symmetric=True, v1=True), "int4 (gptq v1 W4A16, group 32, symmetric)"),
+    "gptq-v1-channel": (dict(group_size=None, symmetric=False, v1=True),
+                        "int4 (gptq v1 W4A16, per-channel, asymmetric, zero points)"),
+}
+
+
+@pytest.fixture(scope="module")
+def awq_gptq(checkpoints, tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """name -> (checkpoint folder, its oracle: a transformers model) for AWQ (float32 and float16 scales) and each
+    GPTQ variant."""
+    from tests.fp8_checkpoints import transformers_dequantized, vary_block_magnitudes
+    from tests.hf_models import build_tiny_hf_llama
+    from tests.int4_checkpoints import awq_as_compressed_tensors, save_awq, save_gptq
+
+    model = vary_block_magnitudes(build_tiny_hf_llama("llama31", vocab_size=512))
+    work = tmp_path_factory.mktemp("awq_gptq")
+    made = {}
+    for name, scale_dtype in (("awq", np.float32), ("awq-f16", np.float16)):
+        save_awq(model, work / name, scale_dtype=scale_dtype)
+        converted = awq_as_compressed_tensors(work / name, work / f"{name}-ct")
+        made[name] = (work / name, transformers_dequantized(converted))
+    for name, (arguments, _) in GPTQ.items():
+        made[name] = (work / name, save_gptq(model, work / name, **arguments))
+    return made
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", ["awq", *GPTQ])
+def test_awq_and_gptq_logits_equal_their_oracles(awq_gptq, name):
+    """AWQ: compressed-tensors' AutoAWQConverter reading the same files (then transformers); GPTQ: transformers on the
+    weights the integers stand for. v1 checkpoints hold zero points of 0 (stored as 15 with a borrow)."""
+    folder, oracle = awq_gptq[name]
+    loaded = load_model(folder, "float32", progress=False)
+    expected = "int4 (awq GEMM W4A16, group 32, asymmetric, zero points)" if name == "awq" else GPTQ[name][1]
+    assert loaded.quantization == expected
+    tokens = random_tokens(loaded.config.vocab_size, 24)
+    np.testing.assert_allclose(jaxserve_logits(loaded, tokens), hf_logits(oracle, tokens), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parity
+def test_awq_with_float16_scales_equals_the_conversion_within_float16_rounding(awq_gptq):
+    """AutoAWQ stores float16 scales; compressed-tensors multiplies in float16 where jaxserve multiplies in float32,
+    so each weight agrees within half a float16 ulp of its value."""
+    folder, oracle = awq_gptq["awq-f16"]
+    loaded = load_model(folder, "float32", progress=False)
+    ours = np.asarray(_dense(loaded).params["model"]["layers"]["self_attn"]["q_proj"]["weight"].get_value()[0])
+    theirs = oracle.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    np.testing.assert_array_less(np.abs(ours - theirs), 2.0**-11 * np.abs(ours) + 1e-7)
+
+
+def test_gptq_v1_zero_points_are_restored_on_the_whole_word_with_its_borrows():
+    from jaxserve.checkpoint.int4_awq_gptq import unpack_zero_points
+
+    zeros = np.array([[0, 5, 15, 0, 1, 0, 8, 3]], np.uint32)  # one group of eight channels
+    word = (zeros[0] << (np.arange(8, dtype=np.uint32) * 4)).sum(dtype=np.uint32)
+    stored = np.array([[word - np.uint32(0x11111111)]], np.uint32).view(np.int32)  # v1: less one per nibble, borrowing
+    np.testing.assert_array_equal(unpack_zero_points(stored, 8, tuple(range(8)), v1=True), zeros)
+    per_nibble = (unpack_zero_points(stored, 8, tuple(range(8)), v1=False) + 1) % 16  # a reader that skips borrows
+    assert not np.array_equal(per_nibble, zeros)
+
+
+def _edited_gptq(folder: Path, tmp_path: Path, **fields) -> Path:
+    copy = Path(shutil.copytree(folder, tmp_path / folder.name))
+    config = json.loads((copy / "config.json").read_text())["quantization_config"]
+    edit_config(copy, quantization_config={**config, **fields})
+    return copy
+
+
+def _permuted_g_idx(tensors):
+    import torch
+
+    name = "model.layers.1.mlp.up_proj.g_idx"
+    tensors[name] = tensors[name][torch.randperm(tensors[name].shape[0], generator=torch.Generator().manual_seed(0))]
+
+
+REFUSED_AWQ_GPTQ = {
+    "awq gemv_fast": ("awq", dict(version="gemv_fast"), r"AWQ checkpoints of version 'gemv_fast' are not supported"),
+    "awq without zero points": ("awq", dict(zero_point=False), r"without zero points"),
+    "gptq 8-bit": ("gptq-v1-asym", dict(bits=8), r"gptq checkpoints with bits 8 are not supported"),
+    "gptq marlin": ("gptq-v1-asym", dict(checkpoint_format="marlin"), r"checkpoint_format 'marlin' is not supported"),
+    "gptq dynamic": ("gptq-v1-asym", dict(dynamic={"-:.*down_proj": {}}), r"per-module overrides"),
+    "gptq lm_head": ("gptq-v1-asym", dict(lm_head=True), r"quantized lm_head"),
+    "gptq group size": ("gptq-v1-asym", dict(group_size=0), r"group_size must be a positive integer or -1"),
+}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", REFUSED_AWQ_GPTQ)
+def test_awq_and_gptq_schemes_jaxserve_does_not_run_are_refused_by_name(awq_gptq, tmp_path, case):
+    name, fields, message = REFUSED_AWQ_GPTQ[case]
+    with pytest.raises(UnsupportedModelError, match=message):
+        plan_model(_edited_gptq(awq_gptq[name][0], tmp_path, **fields), "float32")
+
+
+@pytest.mark.parity
+def test_act_order_gptq_is_refused_naming_the_g_idx(awq_gptq, tmp_path):
+    folder = _retensored(awq_gptq["gptq-v1-asym"][0], tmp_path, _permuted_g_idx)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.up_proj\.g_idx is not k // group_size"):
+        plan_model(folder, "float32")
+    missing = _retensored(awq_gptq["gptq-v1-asym"][0], tmp_path / "missing",
+                          _drop("model.layers.0.self_attn.o_proj.g_idx"))
+    with pytest.raises(ModelLoadError, match=r"lacks tensor model\.layers\.0\.self_attn\.o_proj\.g_idx"):
+        plan_model(missing, "float32")
+
+
+@pytest.mark.parity
+def test_an_older_gptq_repository_with_quantize_config_json_loads(awq_gptq, tmp_path):
+    folder = Path(shutil.copytree(awq_gptq["gptq-v2-asym"][0], tmp_path / "older"))
+    config = json.loads((folder / "config.json").read_text())
+    scheme = config.pop("quantization_config")
+    scheme.pop("quant_method")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "quantize_config.json").write_text(json.dumps(scheme))
+    assert plan_model(folder, "float32").quantization == GPTQ["gptq-v2-asym"][1]

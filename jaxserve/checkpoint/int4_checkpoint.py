@@ -1,5 +1,6 @@
-"""Pre-quantized 4-bit (W4A16) checkpoints loaded as they are: compressed-tensors `pack-quantized` (the
-`...quantized.w4a16` repositories llm-compressor writes), read into the model's canonical 4-bit form.
+"""Pre-quantized 4-bit (W4A16) checkpoints loaded as they are, read into the model's canonical 4-bit form
+(int4_layout.py): which format a quantization_config names (AutoAWQ and GPTQ: int4_awq_gptq.py), and
+compressed-tensors `pack-quantized` (the `...quantized.w4a16` repositories llm-compressor writes).
 
 The files, as compressed-tensors' pack-quantized compressor writes each decoder projection (K = in, N = out
 features, g = group size, G = ceil(K / g)):
@@ -25,41 +26,25 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.checkpoint import int4_awq_gptq
+from jaxserve.checkpoint.int4_layout import INT32, PER_WORD, Int4Quantization, unpacked
 from jaxserve.checkpoint.param_tree import TensorTarget, UnreadTensors
-from jaxserve.checkpoint.quantized_checkpoint import (COMPRESSED_TENSORS, UnquantizedReason, check_quantized,
+from jaxserve.checkpoint.quantized_checkpoint import (COMPRESSED_TENSORS, check_quantized,
                                                       check_whole_blocks_per_device, ct_scheme, ct_unquantized)
 from jaxserve.errors import UnsupportedModelError
-from jaxserve.model.quantization import SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, int4_format, scale_shape
+from jaxserve.model.quantization import SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, scale_shape
 
 PACK_QUANTIZED = "pack-quantized"
 _WEIGHT = ".weight"
 _PACKED, _SHAPE = "_packed", "_shape"  # `...weight_packed` and `...weight_shape` beside `...weight_scale`
-_PER_WORD = 8  # 4-bit values in one int32 word
-_OFFSET = 8  # a stored 4-bit value is its signed value + 8
-_INT32 = np.dtype(np.int32)
 _STRATEGIES = ("group", "channel")
 
 
-@dataclasses.dataclass(frozen=True)
-class Int4Quantization:
-    """How a 4-bit checkpoint stores the decoder's projections, from its config.json."""
-
-    method: str  # quant_method: COMPRESSED_TENSORS
-    group_size: int | None  # input features per scale; None: one scale per output channel
-    symmetric: bool  # no zero points: weight = q * scale
-    unquantized_reason: UnquantizedReason  # which modules the config leaves unquantized, and why
-    kv_cache_scales: bool = False  # 4-bit checkpoints with a kv_cache_scheme are refused
-
-    @property
-    def weight_format(self) -> WeightFormat:
-        return int4_format(self.group_size, zero_points=not self.symmetric)
-
-    @property
-    def name(self) -> str:
-        """What runs, for the start-up line: "int4 (compressed-tensors pack-quantized W4A16, group 128, symmetric)"."""
-        scales = "per-channel" if self.group_size is None else f"group {self.group_size}"
-        kind = "symmetric" if self.symmetric else "asymmetric, zero points"
-        return f"int4 ({self.method} {PACK_QUANTIZED} W4A16, {scales}, {kind})"
+def is_int4_checkpoint(config: Any) -> bool:
+    """Whether a quantization_config describes 4-bit weights: AWQ, GPTQ or compressed-tensors pack-quantized."""
+    if isinstance(config, Mapping) and config.get("quant_method") in int4_awq_gptq.METHODS:
+        return True
+    return is_pack_quantized(config)
 
 
 def is_pack_quantized(config: Any) -> bool:
@@ -72,8 +57,15 @@ def is_pack_quantized(config: Any) -> bool:
 
 
 def int4_quantization(config: Mapping[str, Any]) -> Int4Quantization:
-    """The scheme of a pack-quantized compressed-tensors config after checking that jaxserve runs it:
+    """The scheme of a 4-bit quantization_config (`is_int4_checkpoint`) after checking that jaxserve runs it:
     `UnsupportedModelError` naming the setting for any other."""
+    if config.get("quant_method") in int4_awq_gptq.METHODS:
+        return int4_awq_gptq.quantization(config)
+    return _pack_quantized(config)
+
+
+def _pack_quantized(config: Mapping[str, Any]) -> Int4Quantization:
+    """A compressed-tensors pack-quantized scheme: one 4-bit integer weight scheme for every config group."""
     groups = config.get("config_groups") or {}
     if not isinstance(groups, Mapping) or not groups:
         raise UnsupportedModelError("compressed-tensors quantization_config has no config_groups")
@@ -94,7 +86,8 @@ def int4_quantization(config: Mapping[str, Any]) -> Int4Quantization:
         raise UnsupportedModelError("compressed-tensors 4-bit checkpoints with a kv_cache_scheme are not supported")
     group_size, symmetric = _weights(weights)
     targets = tuple(target for group in groups.values() for target in group.get("targets") or ())
-    return Int4Quantization(method=COMPRESSED_TENSORS, group_size=group_size, symmetric=symmetric,
+    return Int4Quantization(method=COMPRESSED_TENSORS, variant=PACK_QUANTIZED, group_size=group_size,
+                            symmetric=symmetric,
                             unquantized_reason=functools.partial(ct_unquantized, targets,
                                                                  tuple(config.get("ignore") or ())))
 
@@ -137,26 +130,36 @@ def int4_targets(targets: Mapping[str, TensorTarget], quantization: Int4Quantiza
         check_quantized(weight, quantization.unquantized_reason)
         if fmt.block is not None:
             check_whole_blocks_per_device(name, weight, fmt.block)
-        out[weight_name] = _packed_weight_target(weight)
-        out[name] = _scale_target(weight, target, fmt, SCALE_SUFFIX)
-        if fmt.zero_points:
-            zero_name = weight_name + ZERO_POINT_SUFFIX
-            out[zero_name] = _scale_target(weight, targets[zero_name], fmt, ZERO_POINT_SUFFIX)
+        zero_name = weight_name + ZERO_POINT_SUFFIX
+        zero = targets.get(zero_name)
+        if quantization.method == COMPRESSED_TENSORS:
+            out[weight_name], out[name], zero = _packed_targets(weight, target, zero, fmt)
+        else:
+            out[weight_name], out[name], zero = int4_awq_gptq.targets(weight, target, zero, fmt, quantization)
+        if zero is not None:
+            out[zero_name] = zero
     return out
 
 
-def unread_tensors() -> UnreadTensors:
-    """The checkpoint's tensors no parameter reads: each projection's `weight_shape`, which the config implies."""
+def unread_tensors(quantization: Int4Quantization) -> UnreadTensors:
+    """The checkpoint's tensors no parameter reads: compressed-tensors' `weight_shape`, which the config implies;
+    GPTQ's g_idx and a symmetric one's zero points."""
+    if quantization.method != COMPRESSED_TENSORS:
+        return int4_awq_gptq.unread_tensors(quantization)
     return UnreadTensors(dropped_suffixes=(_WEIGHT + _SHAPE,))
 
 
-def _packed_weight_target(weight: TensorTarget) -> TensorTarget:
-    """The weight read from `weight_packed` I32 [N, ceil(K/8)], unpacked on the host into int8 [N, K]."""
+def _packed_targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None,
+                    fmt: WeightFormat) -> tuple[TensorTarget, TensorTarget, TensorTarget | None]:
+    """(weight, scale, zero point or None) targets of one pack-quantized projection: the weight read from
+    `weight_packed` I32 [N, ceil(K/8)] and unpacked on the host into int8 [N, K]."""
     out_features, in_features = weight.stored_shape
-    return dataclasses.replace(
+    packed = dataclasses.replace(
         weight, sources=tuple(source + _PACKED for source in weight.sources),
-        stored_shape=(out_features, -(-in_features // _PER_WORD)), stored_dtype=_INT32,
-        convert=functools.partial(unpack_int4, count=in_features, axis=1))
+        stored_shape=(out_features, -(-in_features // PER_WORD)), stored_dtype=INT32,
+        convert=unpacked(in_features, axis=1))
+    return (packed, _scale_target(weight, scale, fmt, SCALE_SUFFIX),
+            None if zero is None else _scale_target(weight, zero, fmt, ZERO_POINT_SUFFIX))
 
 
 def _scale_target(weight: TensorTarget, target: TensorTarget, fmt: WeightFormat, suffix: str) -> TensorTarget:
@@ -170,18 +173,8 @@ def _scale_target(weight: TensorTarget, target: TensorTarget, fmt: WeightFormat,
         return dataclasses.replace(target, sources=sources, stored_shape=(out_features, *groups),
                                    convert=functools.partial(np.reshape, shape=placed_shape),
                                    stored_rows=weight.stored_rows)
-    unpack = functools.partial(unpack_int4, count=out_features, axis=0)
-    return dataclasses.replace(target, sources=sources, stored_shape=(-(-out_features // _PER_WORD), *groups),
-                               stored_dtype=_INT32, stored_rows=weight.stored_rows,
+    unpack = unpacked(out_features, axis=0)
+    return dataclasses.replace(target, sources=sources, stored_shape=(-(-out_features // PER_WORD), *groups),
+                               stored_dtype=INT32, stored_rows=weight.stored_rows,
                                convert=lambda words: np.reshape(unpack(words), placed_shape))
-
-
-def unpack_int4(words: np.ndarray, count: int, axis: int) -> np.ndarray:
-    """int8 values -8..7 of int32 `words` holding eight 4-bit values each along `axis` (lowest bits first, each
-    stored as value + 8), the first `count` of them along that axis."""
-    moved = np.moveaxis(np.asarray(words, np.int32).view(np.uint32), axis, -1)  # u32[..., words]
-    shifts = np.arange(_PER_WORD, dtype=np.uint32) * 4
-    nibbles = (moved[..., None] >> shifts) & 0xF  # u32[..., words, 8]
-    values = nibbles.reshape(*moved.shape[:-1], -1)[..., :count].astype(np.int8) - _OFFSET
-    return np.moveaxis(values, -1, axis)
 

@@ -8,8 +8,10 @@ Loading is two steps, so that start-up can compile while the weights are read: `
 the parameters out and checks the checkpoint's names and shapes (seconds at most), giving a `ModelPlan` whose
 abstract parameters (shapes, dtypes, shardings) are all a compile needs; `ModelPlan.load` then reads the weights.
 
-A checkpoint whose config.json has a `quantization_config` (pre-quantized FP8, checkpoint/quantized_checkpoint.py)
-decides the weight format itself and is read as stored; `--quantization` quantizes an unquantized one after reading.
+A checkpoint whose config.json has a `quantization_config` (pre-quantized FP8, checkpoint/quantized_checkpoint.py;
+4-bit AWQ, GPTQ or compressed-tensors, checkpoint/int4_checkpoint.py), or an older GPTQ repository's
+`quantize_config.json`, decides the weight format itself and is read as stored; `--quantization` quantizes an
+unquantized one after reading.
 """
 
 from __future__ import annotations
@@ -39,16 +41,21 @@ from jaxserve.checkpoint.orbax_io import plan_orbax_restore, save_orbax
 from jaxserve.checkpoint.param_tree import (abstract_params, checkpoint_tensors, fill_params, flat_arrays,
                                             tensor_targets, unchanged_targets)
 from jaxserve.checkpoint.quantize import online_quantization_name, quantized_arrays
-from jaxserve.checkpoint.int4_checkpoint import (Int4Quantization, int4_quantization, int4_targets,
-                                                 is_pack_quantized)
+from jaxserve.checkpoint.int4_awq_gptq import check_groups_in_order
+from jaxserve.checkpoint.int4_checkpoint import int4_quantization, int4_targets, is_int4_checkpoint
 from jaxserve.checkpoint.int4_checkpoint import unread_tensors as int4_unread_tensors
+from jaxserve.checkpoint.int4_layout import Int4Quantization
 from jaxserve.checkpoint.quantized_checkpoint import (CheckpointQuantization, check_requested, checkpoint_quantization,
                                                       kv_cache_scales, quantized_targets, unread_tensors)
 from jaxserve.checkpoint.safetensors_loader import load_safetensors, plan_safetensors_load
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.config import LlamaConfig, read_config_json
 from jaxserve.model.dtypes import resolve_dtype
+from jaxserve.model.quantization import SCALE_SUFFIX
 from jaxserve.parallel import TensorParallelLayout, plan_tensor_parallel
+
+
+QUANTIZE_CONFIG_FILE = "quantize_config.json"  # an older GPTQ repository's scheme, beside config.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +148,7 @@ def plan_model(model_dir: Path | None, dtype: str = "auto", tensor_parallel_size
     check_model_dir(model_dir)
     raw_config = read_config_json(model_dir / CONFIG_FILE)
     cfg = LlamaConfig.from_hf_dict(raw_config)
-    stored_quantization = _stored_quantization(raw_config.get("quantization_config"))
+    stored_quantization = _stored_quantization(_quantization_config(raw_config, model_dir))
     check_requested(stored_quantization, quantization)
     layout = plan_tensor_parallel(cfg, tensor_parallel_size)
     target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
@@ -173,9 +180,17 @@ def _plan(layout: TensorParallelLayout, dtype: np.dtype, quantization: str | Non
                      checkpoint_config=layout.checkpoint_config)
 
 
+def _quantization_config(raw_config: dict, model_dir: Path):
+    """config.json's quantization_config, or the quantize_config.json older GPTQ repositories keep beside it."""
+    if raw_config.get("quantization_config") is not None:
+        return raw_config["quantization_config"]
+    path = model_dir / QUANTIZE_CONFIG_FILE
+    return {"quant_method": "gptq", **read_config_json(path)} if path.is_file() else None
+
+
 def _stored_quantization(config) -> CheckpointQuantization | Int4Quantization | None:
-    """The scheme of config.json's quantization_config: 4-bit (pack-quantized) or FP8; None: unquantized."""
-    return int4_quantization(config) if is_pack_quantized(config) else checkpoint_quantization(config)
+    """The scheme of a quantization_config: 4-bit (AWQ, GPTQ, pack-quantized) or FP8; None: unquantized."""
+    return int4_quantization(config) if is_int4_checkpoint(config) else checkpoint_quantization(config)
 
 
 def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, model_dir: Path,
@@ -191,7 +206,10 @@ def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, mo
     stored = abstract_params(layout.checkpoint_config, dtype, layout.param_sharding, fmt)
     targets = tensor_targets(stored, placed, layout.stored_rows)
     if isinstance(quantization, Int4Quantization):
-        targets, unread = int4_targets(targets, quantization), int4_unread_tensors()
+        check_groups_in_order(model_dir, {name.removesuffix(SCALE_SUFFIX): targets[name.removesuffix(SCALE_SUFFIX)]
+                                          for name in targets if name.endswith(".weight" + SCALE_SUFFIX)},
+                              quantization)
+        targets, unread = int4_targets(targets, quantization), int4_unread_tensors(quantization)
     else:
         targets, unread = quantized_targets(targets, quantization), unread_tensors(quantization)
     read_arrays = plan_safetensors_load(model_dir, targets, unread=unread)
@@ -217,7 +235,7 @@ def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> N
     if orbax_dir(out_dir).exists():
         raise ModelLoadError(f"{orbax_dir(out_dir)} already exists; remove it or convert into another folder")
     raw_config = read_config_json(hf_dir / CONFIG_FILE)
-    stored_quantization = _stored_quantization(raw_config.get("quantization_config"))
+    stored_quantization = _stored_quantization(_quantization_config(raw_config, hf_dir))
     if stored_quantization is not None:
         raise ModelLoadError(f"{hf_dir} holds a pre-quantized checkpoint ({stored_quantization.name}), which "
                              f"conversion does not keep; load the folder as it is: its quantized safetensors load "

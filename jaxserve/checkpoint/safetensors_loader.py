@@ -214,15 +214,27 @@ def read_scalars(model_dir: Path, names: list[str]) -> dict[str, float]:
     """The named one-element tensors of the folder's safetensors, as floats (names it lacks are left out): small
     tensors read at plan time, such as KV-cache scales. ModelLoadError for one holding more than one value."""
     values = {}
+    for name, (tensor, file) in _read_small(model_dir, names).items():
+        if tensor.size != 1:
+            raise ModelLoadError(f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}; a scale of one "
+                                 f"value was expected")
+        values[name] = float(np.asarray(tensor, np.float32).reshape(()))
+    return values
+
+
+def read_small_tensors(model_dir: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """The named tensors of the folder's safetensors, whole, as stored (names it lacks are left out): small tensors
+    read at plan time, such as GPTQ's g_idx."""
+    return {name: np.asarray(tensor) for name, (tensor, _) in _read_small(model_dir, names).items()}
+
+
+def _read_small(model_dir: Path, names: list[str]) -> dict[str, tuple[np.ndarray, Path]]:
+    found = {}
     for file in safetensors_files(model_dir):
         with open_safetensors(file) as reader:
             for name in set(names) & set(reader.keys()):
-                tensor = tensor_slice(reader, name, file)[...]
-                if tensor.size != 1:
-                    raise ModelLoadError(f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}; a scale of "
-                                         f"one value was expected")
-                values[name] = float(np.asarray(tensor, np.float32).reshape(()))
-    return values
+                found[name] = (tensor_slice(reader, name, file)[...], file)
+    return found
 
 
 def _read_all_headers(files: list[Path]) -> dict[str, StoredTensor]:

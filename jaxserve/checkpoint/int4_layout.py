@@ -1,0 +1,72 @@
+"""What every 4-bit (W4A16) checkpoint reader shares: the scheme read from config.json, and the unpacking of int32
+words into 4-bit values.
+
+Three layouts store the same thing (../int4_checkpoint.py: compressed-tensors; int4_awq_gptq.py: AutoAWQ GEMM and
+GPTQ): 4-bit weights, one scale per group of input features (or per output channel) and, where asymmetric, one zero
+point per scale, with weight = (q - zero) * scale. Each reader turns its files into the model's canonical form
+(model/quantization.py `int4_format`): `weight` int4 [N, K] holding q - 8, `weight_scale` f32 [N, G] (per channel:
+[N]), and `weight_zero_point` int8 of the scale's shape holding zero - 8, so that (q - 8) - (zero - 8) = q - zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxserve.checkpoint.quantized_checkpoint import UnquantizedReason
+from jaxserve.model.quantization import WeightFormat, int4_format
+
+PER_WORD = 8  # 4-bit values in one int32 word
+OFFSET = 8  # unsigned 4-bit values 0..15 stand for signed -8..7
+INT32 = np.dtype(np.int32)
+# AutoAWQ's interleave: nibble i of a word holds output column 8c + AWQ_ORDER[i] of word c
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+SEQUENTIAL_ORDER = tuple(range(PER_WORD))
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Quantization:
+    """How a 4-bit checkpoint stores the decoder's projections, from its config."""
+
+    method: str  # whose layout the files have: "compressed-tensors", "awq" or "gptq"
+    variant: str  # the layout's own name, for the start-up line: "pack-quantized", "GEMM", "v1", "v2"
+    group_size: int | None  # input features per scale; None: one scale per output channel
+    symmetric: bool  # no zero points: weight = (q - 8) * scale
+    unquantized_reason: UnquantizedReason  # which modules the config leaves unquantized, and why
+    kv_cache_scales: bool = False  # 4-bit checkpoints with KV-cache scales are refused
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        return int4_format(self.group_size, zero_points=not self.symmetric)
+
+    @property
+    def name(self) -> str:
+        """What runs, for the start-up line: "int4 (gptq v2 W4A16, group 128, asymmetric, zero points)"."""
+        scales = "per-channel" if self.group_size is None else f"group {self.group_size}"
+        kind = "symmetric" if self.symmetric else "asymmetric, zero points"
+        return f"int4 ({self.method} {self.variant} W4A16, {scales}, {kind})"
+
+
+def unpack_int4(words: np.ndarray, count: int, axis: int, order: tuple[int, ...] = SEQUENTIAL_ORDER) -> np.ndarray:
+    """int8 values 0..15 of int32 `words` holding eight 4-bit values each along `axis`, lowest bits first, nibble i
+    of word c holding value 8c + order[i] (AWQ interleaves); the first `count` of them along that axis."""
+    moved = np.moveaxis(np.asarray(words, np.int32).view(np.uint32), axis, -1)  # u32[..., words]
+    shifts = np.arange(PER_WORD, dtype=np.uint32) * 4
+    nibbles = (moved[..., None] >> shifts) & 0xF  # u32[..., words, 8]: nibble i of each word
+    in_order = np.empty_like(nibbles)
+    in_order[..., list(order)] = nibbles  # value order[i] of each word is nibble i
+    values = in_order.reshape(*moved.shape[:-1], -1)[..., :count].astype(np.int8)
+    return np.moveaxis(values, -1, axis)
+
+
+def signed(values: np.ndarray) -> np.ndarray:
+    """Unsigned 4-bit values 0..15 as the signed -8..7 an int4 array holds."""
+    return (values - OFFSET).astype(np.int8)
+
+
+def unpacked(count: int, axis: int, order: tuple[int, ...] = SEQUENTIAL_ORDER,
+             then: Callable[[np.ndarray], np.ndarray] = signed) -> Callable[[np.ndarray], np.ndarray]:
+    """A target's host transform: the words unpacked (`unpack_int4`), then `then` (signed values by default)."""
+    return lambda words: then(unpack_int4(words, count, axis, order))

@@ -296,10 +296,13 @@ class EngineConfig:
                               f"Pallas' interpreter, or choose xla")
         return XLA_BACKEND
 
-    def stacked_gemm(self, platform: str) -> str:
+    def stacked_gemm(self, platform: str, packed_int4: bool = False) -> str:
         """How the step programs on `platform` multiply by layer-stacked quantized weights (model/quantization.py):
         xla, or with gemm_backend pallas the kernel, compiled on a GPU or interpreted with pallas_interpret; the
-        compiled kernel off a GPU, or over several devices, is refused now rather than at compile time."""
+        compiled kernel off a GPU, or over several devices, is refused now rather than at compile time. Packed 4-bit
+        weights (`packed_int4`), which XLA would widen in memory, take their kernel under auto on one GPU."""
+        if self.gemm_backend == "auto" and packed_int4 and platform == "gpu" and self.tensor_parallel_size == 1:
+            return PALLAS_BACKEND
         if self.gemm_backend != PALLAS_BACKEND:
             return XLA_BACKEND
         if self.tensor_parallel_size > 1:

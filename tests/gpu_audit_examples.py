@@ -90,6 +90,27 @@ def _pallas_quantized_layer_loop(x, up, up_scale, down, down_scale):
     return jax.lax.scan(layer, x, jnp.arange(LAYERS))[0]
 
 
+INT4_GROUP = 128  # input features per scale, the common 4-bit checkpoints' group
+
+
+def _int4_layer_loop(x, up, up_scale, up_zero, down, down_scale, down_zero, kernel: bool):
+    """The scanned MLP over layer-stacked packed 4-bit weights with group scales and zero points: each projection
+    the Pallas W4A16 GEMM given the layer index, or (the twin) XLA multiplying by the weight dequantized first."""
+    from jaxserve.model.quantization import dequantize, unpack_int4
+    from kernels_pallas.int4_matmul import int4_matmul
+
+    def project(h, q, scale, zero, index, in_features):
+        if kernel:
+            return int4_matmul(h, q, scale, zero, index, group_size=INT4_GROUP)
+        weight = dequantize(unpack_int4(q[index], in_features), scale[index], h.dtype, (1, INT4_GROUP), zero[index])
+        return h @ weight.T
+
+    def layer(h, index):
+        hidden = jax.nn.silu(project(h, up, up_scale, up_zero, index, HIDDEN))
+        return h + project(hidden, down, down_scale, down_zero, index, FFN), None
+    return jax.lax.scan(layer, x, jnp.arange(LAYERS))[0]
+
+
 _X = ((ROWS, HIDDEN), jnp.bfloat16, Role.INPUT, None)
 _STACKED = (((LAYERS, HIDDEN, FFN), jnp.bfloat16, Role.WEIGHT, 0),
             ((LAYERS, FFN, HIDDEN), jnp.bfloat16, Role.WEIGHT, 0))
@@ -100,6 +121,12 @@ _ACTIVATIONS = ROWS * (HIDDEN + FFN) * 2  # one layer's rows, bf16
 # [L, out, in] weights as the engine stores them, with per-output-channel scales.
 _STACKED_INT8 = (((LAYERS, FFN, HIDDEN), jnp.int8, Role.WEIGHT, 0), ((LAYERS, FFN), jnp.float32, Role.WEIGHT, 0),
                  ((LAYERS, HIDDEN, FFN), jnp.int8, Role.WEIGHT, 0), ((LAYERS, HIDDEN), jnp.float32, Role.WEIGHT, 0))
+
+# [L, out, in / 2] packed 4-bit weights (model/quantization.py pack_int4), group scales and zero points.
+_STACKED_INT4 = tuple(spec for out, width in ((FFN, HIDDEN), (HIDDEN, FFN))
+                      for spec in (((LAYERS, out, width // 2), jnp.uint8, Role.WEIGHT, 0),
+                                   ((LAYERS, out, width // INT4_GROUP), jnp.float32, Role.WEIGHT, 0),
+                                   ((LAYERS, out, width // INT4_GROUP), jnp.int8, Role.WEIGHT, 0)))
 
 EXAMPLES = (
     Example("weight slices copied", _layer_loop, (_X, *_STACKED), _ACTIVATIONS),
@@ -119,4 +146,8 @@ EXAMPLES = (
             _ACTIVATIONS),
     Example("int8 stacked weights read by the Pallas GEMM", _pallas_quantized_layer_loop, (_X, *_STACKED_INT8),
             _ACTIVATIONS),
+    Example("int4 stacked weights read by the Pallas GEMM", lambda *a: _int4_layer_loop(*a, kernel=True),
+            (_X, *_STACKED_INT4), _ACTIVATIONS),
+    Example("int4 weights dequantized for XLA's GEMM", lambda *a: _int4_layer_loop(*a, kernel=False),
+            (_X, *_STACKED_INT4), _ACTIVATIONS),
 )

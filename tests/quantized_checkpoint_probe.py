@@ -23,10 +23,11 @@ from tests.int4_checkpoints import save_compressed_tensors_w4a16  # noqa: E402
 # Vocabulary 512: tests.test_engine's workload draws token ids below 500.
 MODEL = dict(vocab_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=128)
 # Checkpoint -> (writer, its arguments, tensor-parallel sizes whose engines run); int4: 16-column groups with zero
-# points, split with their rows (column-parallel), or with their columns (row-parallel: 32 of o_proj's 128 at TP 4)
+# points, split with their rows (column-parallel), or with their columns (row-parallel: 64 of o_proj's 128 at TP 2,
+# one packed block)
 CHECKPOINTS = {"block": (save_compressed_tensors, dict(strategy="block", block=(16, 16), inputs=None), (1, 2, 4)),
                "channel": (save_compressed_tensors, dict(strategy="channel", inputs="static"), (1, 4)),
-               "int4": (save_compressed_tensors_w4a16, dict(group_size=16, symmetric=False), (1, 4))}
+               "int4": (save_compressed_tensors_w4a16, dict(group_size=16, symmetric=False), (1, 2))}
 # Sizes tensor parallelism must refuse: (checkpoint, the weights' setting changed, its value, tensor-parallel size)
 REFUSED = {"kv heads repeated": ("block", "block_structure", [32, 16], 4),
            "row-parallel columns": ("block", "block_structure", [16, 48], 2),

@@ -138,6 +138,18 @@ def test_the_pallas_w8a16_gemm_reads_each_layers_int8_weight_in_place(audits):
     assert [loop.trip_count for loop in audit.loops] == [4]
 
 
+@needs_cuda_plugin
+def test_the_pallas_w4a16_gemm_reads_packed_4bit_weights_in_place_and_widens_nothing(audits):
+    """kernels_pallas/int4_matmul.py in a layer loop, group scales and zero points: the packed weights are read in
+    place at half a byte each, nothing widened in memory; XLA's own dequantize-then-GEMM (the twin) widens each
+    layer's weight to bf16 in memory first."""
+    audit = audits[example_key("int4 stacked weights read by the Pallas GEMM")]
+    assert copy_violations(audit) == [] and widening_violations(audit) == [] and temp_violations(audit) == []
+    assert audit.custom_calls == {"__gpu$xla.gpu.triton": 2 * 4} and audit.gemms == ()
+    twin = audits[example_key("int4 weights dequantized for XLA's GEMM")]
+    assert widening_violations(twin) or temp_violations(twin) or copy_violations(twin), twin
+
+
 # The guards on the engine's own programs.
 
 @needs_cuda_plugin

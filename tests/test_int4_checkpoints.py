@@ -24,7 +24,7 @@ from jaxserve.checkpoint.int4_layout import AWQ_ORDER, unpack_int4
 from jaxserve.checkpoint.param_tree import abstract_params, fill_params, flat_arrays
 from jaxserve.checkpoint.quantize import dequantized_arrays
 from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from jaxserve.model.quantization import INT4
+from jaxserve.model.quantization import PACKED_INT4
 from tests.hf_models import edit_config, hf_logits, jaxserve_logits, random_tokens
 
 # name -> (writer arguments, the format jaxserve reports running)
@@ -72,8 +72,9 @@ def _oracle_logits(folder: Path, tokens: np.ndarray) -> np.ndarray:
 def _dense(loaded, arrays: dict | None = None):
     """`loaded` as an unquantized model running the weights its 4-bit projections stand for (from `arrays`, its
     own flat arrays by default)."""
-    dense = dequantized_arrays(arrays or flat_arrays(loaded.params), jnp.float32, _format(loaded).block)
     layout = abstract_params(loaded.config, np.dtype(np.float32), lambda name, shape: None)
+    in_features = {name: spec.shape[-1] for name, spec in layout.specs.items()}
+    dense = dequantized_arrays(arrays or flat_arrays(loaded.params), jnp.float32, _format(loaded).block, in_features)
     return dataclasses.replace(loaded, graphdef=layout.graphdef, params=fill_params(layout, dense), quantization=None)
 
 
@@ -91,7 +92,7 @@ def test_logits_equal_transformers_reading_the_checkpoint_and_the_dequantized_re
     loaded = load_model(checkpoints[name], "float32", progress=False)
     assert loaded.quantization == CHECKPOINTS[name][1]
     arrays = flat_arrays(loaded.params)
-    assert arrays["model.layers.mlp.down_proj.weight"].dtype == INT4
+    assert arrays["model.layers.mlp.down_proj.weight"].dtype == PACKED_INT4  # two 4-bit weights a byte
     assert ("model.layers.mlp.down_proj.weight_zero_point" in arrays) == name.endswith("asym")
     tokens = random_tokens(loaded.config.vocab_size, 24)
     logits = jaxserve_logits(loaded, tokens)
@@ -100,9 +101,9 @@ def test_logits_equal_transformers_reading_the_checkpoint_and_the_dequantized_re
 
 
 def _reversed_nibbles(q):
-    """Each word's eight values in the opposite order: what reading the nibbles from the highest bits would give."""
-    values = np.asarray(q, np.int8)
-    return jnp.asarray(values.reshape(*values.shape[:-1], -1, 8)[..., ::-1].reshape(values.shape), INT4)
+    """Each byte's two values swapped: what reading the high nibble first would give."""
+    values = np.asarray(q, np.uint8)
+    return jnp.asarray((values >> 4) | (values << 4), jnp.uint8)
 
 
 MISREAD = {
@@ -138,6 +139,51 @@ def test_the_engine_decodes_transformers_greedy_tokens(checkpoints):
             expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                        min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
         assert list(output.outputs[0].token_ids) == expected
+
+
+def test_the_models_packing_holds_two_values_a_byte_each_block_in_two_halves():
+    from jaxserve.model.quantization import pack_int4, packed_width, unpack_int4 as unpack_packed
+
+    values = np.random.default_rng(0).integers(-8, 8, size=(3, 100)).astype(np.int8)  # 100: a partial last block
+    packed = pack_int4(values)
+    assert packed.shape == (3, packed_width(100)) == (3, 64) and packed.dtype == np.uint8
+    assert packed[0, 0] == (values[0, 0] + 8) | ((values[0, 32] + 8) << 4)  # feature 0 low, feature 32 high
+    np.testing.assert_array_equal(unpack_packed(jnp.asarray(packed), 100), values)
+
+
+def _calls_the_int4_kernel(llm: LLM) -> bool:
+    """Every step program of the engine calls kernels_pallas/int4_matmul.py (its traced jaxpr names it)."""
+    found = []
+    for program in llm.engine.runner.programs.lowerings(llm.engine.config.num_kv_pages):
+        if not program.sampler:
+            call = program.call()
+            found.append("name=int4_matmul" in str(call.function.trace(*call.args, **call.static).jaxpr))
+    return all(found)
+
+
+@pytest.mark.parity
+def test_the_pallas_w4a16_kernel_decodes_what_the_reference_path_decodes(tmp_path):
+    """Groups of 64 (the kernel's packed block) with zero points: the engine reading the 4-bit stacks in place
+    (--gemm-backend pallas, interpreted here; under auto on a GPU) gives the greedy tokens and logprobs of the
+    reference path, which dequantizes each layer's weight for XLA's matmul."""
+    from tests.fp8_checkpoints import vary_block_magnitudes
+    from tests.hf_models import build_tiny_hf_llama
+    from tests.int4_checkpoints import save_compressed_tensors_w4a16
+
+    model = vary_block_magnitudes(build_tiny_hf_llama("llama31", vocab_size=512, intermediate_size=192))
+    save_compressed_tensors_w4a16(model, tmp_path, group_size=64, symmetric=False)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    decoded = {}
+    for name, settings in (("xla", {}), ("kernel", dict(gemm_backend="pallas", pallas_interpret=True))):
+        llm = LLM(model=str(tmp_path), **ENGINE, **settings)
+        assert _calls_the_int4_kernel(llm) == (name == "kernel")
+        decoded[name] = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for reference, kernel in zip(decoded["xla"], decoded["kernel"]):
+        assert kernel.outputs[0].token_ids == reference.outputs[0].token_ids
+        np.testing.assert_allclose([lp[t].logprob for t, lp in zip(kernel.outputs[0].token_ids,
+                                                                   kernel.outputs[0].logprobs)],
+                                   [lp[t].logprob for t, lp in zip(reference.outputs[0].token_ids,
+                                                                   reference.outputs[0].logprobs)], atol=1e-4)
 
 
 def test_unpacking_reads_eight_values_a_word_lowest_bits_first_or_in_awqs_interleave():

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.checkpoint.int4_layout import AWQ_ORDER, INT32, PER_WORD, Int4Quantization, signed, unpack_int4
+from jaxserve.checkpoint.int4_layout import (AWQ_ORDER, INT32, PER_WORD, Int4Quantization, packed, signed,
+                                             unpack_int4)
 from jaxserve.checkpoint.param_tree import TensorTarget, UnreadTensors
 from jaxserve.checkpoint.safetensors_loader import read_small_tensors
 from jaxserve.errors import ModelLoadError, UnsupportedModelError
@@ -103,24 +104,24 @@ def targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None
     awq = quantization.method == AWQ
     if awq:
         stored = (in_features, -(-out_features // PER_WORD))
-        convert = lambda words: signed(unpack_int4(words, out_features, 1, AWQ_ORDER)).T  # noqa: E731
+        convert = lambda words: packed(signed(unpack_int4(words, out_features, 1, AWQ_ORDER)).T)  # noqa: E731
     else:
         stored = (-(-in_features // PER_WORD), out_features)
-        convert = lambda words: signed(unpack_int4(words, in_features, 0)).T  # noqa: E731
-    packed = dataclasses.replace(weight, sources=tuple(m + _QWEIGHT for m in modules), stored_shape=stored,
+        convert = lambda words: packed(signed(unpack_int4(words, in_features, 0)).T)  # noqa: E731
+    weights = dataclasses.replace(weight, sources=tuple(m + _QWEIGHT for m in modules), stored_shape=stored,
                                  stored_dtype=INT32, convert=convert)
     scales = dataclasses.replace(scale, sources=tuple(m + _SCALES for m in modules),
                                  stored_shape=(*groups, out_features), stored_rows=weight.stored_rows,
                                  convert=lambda values: np.reshape(values.T, placed_scale))
     if zero is None:
-        return packed, scales, None
+        return weights, scales, None
     order = AWQ_ORDER if awq else tuple(range(PER_WORD))
     v1 = quantization.method == GPTQ and quantization.variant == "v1"
     zeros = dataclasses.replace(
         zero, sources=tuple(m + _QZEROS for m in modules), stored_shape=(*groups, -(-out_features // PER_WORD)),
         stored_dtype=INT32, stored_rows=weight.stored_rows,
         convert=lambda words: np.reshape(signed(unpack_zero_points(words, out_features, order, v1)).T, placed_scale))
-    return packed, scales, zeros
+    return weights, scales, zeros
 
 
 def unpack_zero_points(words: np.ndarray, count: int, order: tuple[int, ...], v1: bool) -> np.ndarray:

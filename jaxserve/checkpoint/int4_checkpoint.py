@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from jaxserve.checkpoint import int4_awq_gptq
-from jaxserve.checkpoint.int4_layout import INT32, PER_WORD, Int4Quantization, unpacked
+from jaxserve.checkpoint.int4_layout import (INT32, PER_WORD, Int4Quantization, check_whole_groups_per_device,
+                                             packed, signed, unpacked)
 from jaxserve.checkpoint.param_tree import TensorTarget, UnreadTensors
-from jaxserve.checkpoint.quantized_checkpoint import (COMPRESSED_TENSORS, check_quantized,
-                                                      check_whole_blocks_per_device, ct_scheme, ct_unquantized)
+from jaxserve.checkpoint.quantized_checkpoint import COMPRESSED_TENSORS, check_quantized, ct_scheme, ct_unquantized
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.model.quantization import SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, scale_shape
 
@@ -128,8 +128,7 @@ def int4_targets(targets: Mapping[str, TensorTarget], quantization: Int4Quantiza
         weight_name = name.removesuffix(SCALE_SUFFIX)
         weight = targets[weight_name]
         check_quantized(weight, quantization.unquantized_reason)
-        if fmt.block is not None:
-            check_whole_blocks_per_device(name, weight, fmt.block)
+        check_whole_groups_per_device(weight_name, weight.placed, weight.stored_shape[1], quantization.group_size)
         zero_name = weight_name + ZERO_POINT_SUFFIX
         zero = targets.get(zero_name)
         if quantization.method == COMPRESSED_TENSORS:
@@ -154,11 +153,11 @@ def _packed_targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarge
     """(weight, scale, zero point or None) targets of one pack-quantized projection: the weight read from
     `weight_packed` I32 [N, ceil(K/8)] and unpacked on the host into int8 [N, K]."""
     out_features, in_features = weight.stored_shape
-    packed = dataclasses.replace(
+    packed_weight = dataclasses.replace(
         weight, sources=tuple(source + _PACKED for source in weight.sources),
         stored_shape=(out_features, -(-in_features // PER_WORD)), stored_dtype=INT32,
-        convert=unpacked(in_features, axis=1))
-    return (packed, _scale_target(weight, scale, fmt, SCALE_SUFFIX),
+        convert=unpacked(in_features, axis=1, then=lambda values: packed(signed(values))))
+    return (packed_weight, _scale_target(weight, scale, fmt, SCALE_SUFFIX),
             None if zero is None else _scale_target(weight, zero, fmt, ZERO_POINT_SUFFIX))
 
 

@@ -4,8 +4,9 @@ words into 4-bit values.
 Three layouts store the same thing (../int4_checkpoint.py: compressed-tensors; int4_awq_gptq.py: AutoAWQ GEMM and
 GPTQ): 4-bit weights, one scale per group of input features (or per output channel) and, where asymmetric, one zero
 point per scale, with weight = (q - zero) * scale. Each reader turns its files into the model's canonical form
-(model/quantization.py `int4_format`): `weight` int4 [N, K] holding q - 8, `weight_scale` f32 [N, G] (per channel:
-[N]), and `weight_zero_point` int8 of the scale's shape holding zero - 8, so that (q - 8) - (zero - 8) = q - zero.
+(model/quantization.py `int4_format`): `weight` u8 [N, packed_width(K)] holding q - 8 packed two a byte
+(`pack_int4`), `weight_scale` f32 [N, G] (per channel: [N]), and `weight_zero_point` int8 of the scale's shape
+holding zero - 8, so that (q - 8) - (zero - 8) = q - zero.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from jaxserve.checkpoint.quantized_checkpoint import UnquantizedReason
-from jaxserve.model.quantization import WeightFormat, int4_format
+from jaxserve.errors import ConfigError
+from jaxserve.model.quantization import PACK_COLUMNS, WeightFormat, int4_format, pack_int4
 
 PER_WORD = 8  # 4-bit values in one int32 word
 OFFSET = 8  # unsigned 4-bit values 0..15 stand for signed -8..7
@@ -70,3 +73,24 @@ def unpacked(count: int, axis: int, order: tuple[int, ...] = SEQUENTIAL_ORDER,
              then: Callable[[np.ndarray], np.ndarray] = signed) -> Callable[[np.ndarray], np.ndarray]:
     """A target's host transform: the words unpacked (`unpack_int4`), then `then` (signed values by default)."""
     return lambda words: then(unpack_int4(words, count, axis, order))
+
+
+def packed(values: np.ndarray) -> np.ndarray:
+    """Signed 4-bit values i8[N, K] in the model's packed layout u8[N, packed_width(K)]."""
+    return pack_int4(np.ascontiguousarray(values))
+
+
+def check_whole_groups_per_device(name: str, placed: jax.ShapeDtypeStruct, in_features: int,
+                                  group_size: int | None) -> None:
+    """ConfigError unless tensor parallelism gives each device of a row-parallel packed weight u8[..., out, packed]
+    whole groups of its `in_features` input features, and whole packed blocks."""
+    width = placed.shape[-1]
+    share = placed.sharding.shard_shape(placed.shape)[-1]
+    if share == width:
+        return
+    for unit, what in ((group_size, f"the checkpoint's groups of {group_size} columns"),
+                       (PACK_COLUMNS, f"the {PACK_COLUMNS}-column blocks its 4-bit weights are packed in")):
+        if unit is not None and (2 * share) % unit:
+            raise ConfigError(f"tensor parallelism gives each device {2 * share} of the {in_features} columns of "
+                              f"{name}, not a whole number of {what}: choose a tensor_parallel_size that splits it "
+                              f"into whole {'groups' if unit == group_size else 'blocks'}")

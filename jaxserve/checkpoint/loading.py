@@ -38,8 +38,8 @@ from jaxserve.checkpoint.model_files import (
     orbax_dir,
 )
 from jaxserve.checkpoint.orbax_io import plan_orbax_restore, save_orbax
-from jaxserve.checkpoint.param_tree import (abstract_params, checkpoint_tensors, fill_params, flat_arrays,
-                                            tensor_targets, unchanged_targets)
+from jaxserve.checkpoint.param_tree import (AbstractParams, TensorTarget, abstract_params, checkpoint_tensors,
+                                            fill_params, flat_arrays, tensor_targets, unchanged_targets)
 from jaxserve.checkpoint.quantize import online_quantization_name, quantized_arrays
 from jaxserve.checkpoint.int4_awq_gptq import check_groups_in_order
 from jaxserve.checkpoint.int4_checkpoint import int4_quantization, int4_targets, is_int4_checkpoint
@@ -206,10 +206,9 @@ def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, mo
     stored = abstract_params(layout.checkpoint_config, dtype, layout.param_sharding, fmt)
     targets = tensor_targets(stored, placed, layout.stored_rows)
     if isinstance(quantization, Int4Quantization):
-        check_groups_in_order(model_dir, {name.removesuffix(SCALE_SUFFIX): targets[name.removesuffix(SCALE_SUFFIX)]
-                                          for name in targets if name.endswith(".weight" + SCALE_SUFFIX)},
-                              quantization)
-        targets, unread = int4_targets(targets, quantization), int4_unread_tensors(quantization)
+        weights = _unpacked_weight_targets(targets, abstract_params(layout.checkpoint_config, dtype, lambda *_: None))
+        check_groups_in_order(model_dir, weights, quantization)
+        targets, unread = int4_targets({**targets, **weights}, quantization), int4_unread_tensors(quantization)
     else:
         targets, unread = quantized_targets(targets, quantization), unread_tensors(quantization)
     read_arrays = plan_safetensors_load(model_dir, targets, unread=unread)
@@ -217,6 +216,15 @@ def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, mo
     return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), dtype, model_dir,
                      "safetensors", layout.mesh, lambda progress: fill_params(placed, read_arrays(progress)),
                      quantization.name, scales, layout.checkpoint_config)
+
+
+def _unpacked_weight_targets(targets: dict[str, TensorTarget], dense: AbstractParams) -> dict[str, TensorTarget]:
+    """The quantized projections' weight targets with each source's shape as the checkpoint's config implies it,
+    (out, in), rather than the packed 4-bit shape the model holds: what the 4-bit readers start from."""
+    return {name.removesuffix(SCALE_SUFFIX): dataclasses.replace(
+                targets[name.removesuffix(SCALE_SUFFIX)], stored_shape=dense.specs[name.removesuffix(SCALE_SUFFIX)]
+                .shape[1:])
+            for name in targets if name.endswith(".weight" + SCALE_SUFFIX)}
 
 
 def _ignoring_progress(read: Callable[[], dict[str, jax.Array]]) -> Callable[[bool], dict[str, jax.Array]]:

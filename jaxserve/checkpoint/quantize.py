@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 import jax
 
-from jaxserve.model.quantization import (SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, dequantize, quantize,
-                                         weight_format)
+from jaxserve.model.quantization import (PACKED_INT4, SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, dequantize,
+                                         quantize, unpack_int4, weight_format)
 
 
 def quantized_arrays(arrays: Mapping[str, jax.Array], specs: Mapping[str, jax.ShapeDtypeStruct],
@@ -46,12 +46,16 @@ def online_quantization_name(quantization: str | None) -> str | None:
     return f"{quantization} (quantized at load, per-channel scales{w8a8})"
 
 
-def dequantized_arrays(arrays: Mapping[str, jax.Array], dtype,
-                       block: tuple[int, int] | None = None) -> dict[str, jax.Array]:
+def dequantized_arrays(arrays: Mapping[str, jax.Array], dtype, block: tuple[int, int] | None = None,
+                       in_features: Mapping[str, int] | None = None) -> dict[str, jax.Array]:
     """The reference path: each quantized weight rebuilt in full (`dtype`) and its scale (and zero point) dropped,
     so that an unquantized model runs exactly the weights a quantized one stands for; `block` is the block-scaled
-    (or grouped) format's block (None: per-channel scales)."""
-    return {name: dequantize(array, arrays[name + SCALE_SUFFIX], dtype, block,
-                             arrays.get(name + ZERO_POINT_SUFFIX)) if name + SCALE_SUFFIX in arrays
-            else array for name, array in arrays.items()
+    (or grouped) format's block (None: per-channel scales); `in_features` (weight name -> its input features) is
+    needed where weights are packed 4-bit."""
+    def rebuilt(name: str, array: jax.Array) -> jax.Array:
+        if array.dtype == PACKED_INT4:
+            array = unpack_int4(array, in_features[name])
+        return dequantize(array, arrays[name + SCALE_SUFFIX], dtype, block, arrays.get(name + ZERO_POINT_SUFFIX))
+
+    return {name: rebuilt(name, array) if name + SCALE_SUFFIX in arrays else array for name, array in arrays.items()
             if not name.endswith((SCALE_SUFFIX, ZERO_POINT_SUFFIX))}

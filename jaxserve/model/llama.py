@@ -25,9 +25,11 @@ from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.lora import LayerLora, LoraStack
 from jaxserve.model.quantization import (PALLAS_INTERPRET_GEMM, STATIC_ACTIVATIONS, XLA_GEMM, WeightFormat,
-                                         is_stacked_quantized_weight, quantizes_activations, reads_in_place,
-                                         scale_shape, scaled_matmul, w8a8_matmul, weight_format)
+                                         is_stacked_quantized_weight, packed_width, quantizes_activations,
+                                         reads_in_place, scale_shape, scaled_matmul, unpack_int4, w8a8_matmul,
+                                         weight_format)
 from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from kernels_pallas.int4_matmul import int4_fits, int4_matmul
 from kernels_pallas.quantized_matmul import fits, quantized_matmul
 
 # The window of a full-attention layer in a model whose other layers slide: wider than any context, masking nothing.
@@ -57,7 +59,8 @@ class QuantizedLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, quantization: str | WeightFormat,
                  stack: tuple[int, ...] = (), **_unused_init):
         fmt = weight_format(quantization)
-        self.weight = nnx.Param(jnp.zeros((*stack, out_features, in_features), fmt.dtype))
+        stored_in = packed_width(in_features) if fmt.packs_int4 else in_features
+        self.weight = nnx.Param(jnp.zeros((*stack, out_features, stored_in), fmt.dtype))
         self.weight_scale = nnx.Param(jnp.ones((*stack, *scale_shape(fmt, out_features, in_features)), jnp.float32))
         self.input_scale = (nnx.Param(jnp.ones((*stack, 1), jnp.float32)) if fmt.activations == STATIC_ACTIVATIONS
                             else None)
@@ -67,9 +70,15 @@ class QuantizedLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
         self.block = fmt.block  # (rows, columns) one scale covers; None: per output channel
         self.format = fmt  # static: how the weights are stored and whether many-token steps quantize activations
+        self.in_features = in_features  # static: a packed 4-bit weight's columns, padding aside
+
+    def _weight(self, layer: jax.Array | None = None) -> jax.Array:
+        """The stored weight (one layer's, given `layer`), a packed 4-bit one unpacked to int8 values."""
+        q = self.weight[...] if layer is None else self.weight[...][layer]
+        return unpack_int4(q, self.in_features) if self.format.packs_int4 else q
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q, scale = self.weight[...], self.weight_scale[...]
+        q, scale = self._weight(), self.weight_scale[...]
         if quantizes_activations(self.format, x.size // x.shape[-1]):
             input_scale = None if self.input_scale is None else self.input_scale[...]
             y = w8a8_matmul(x, q, scale, self.format, input_scale)
@@ -85,16 +94,22 @@ class QuantizedLinear(nnx.Module):
 
     def from_stack(self, x: jax.Array, layer: jax.Array, stacked_gemm: str) -> jax.Array:
         """The same product where weight and weight_scale hold every layer (q[L, out, in], f32[L, ...]) and `layer`
-        (i32[]) says which: per-channel weights the kernel tiles are read in place by it; others are sliced, as the
-        scan would have."""
+        (i32[]) says which: weights a kernel tiles (8-bit per channel: quantized_matmul; packed 4-bit:
+        int4_matmul) are read in place by it; others are sliced, as the scan would have."""
         q, scale = self.weight[...], self.weight_scale[...]
-        out_features, in_features = q.shape[-2:]
-        if not self.format.kernel_reads_stacks or not fits(in_features, out_features):
-            y = scaled_matmul(x, q[layer], scale[layer], self.block, self._zero_point(layer))
+        out_features, in_features = q.shape[-2], self.in_features
+        interpret = stacked_gemm == PALLAS_INTERPRET_GEMM
+        group_size = None if self.block is None else self.block[1]
+        rows = x.reshape(-1, in_features)  # f[B * T, in]
+        if self.format.packs_int4 and int4_fits(out_features, group_size):
+            zero = None if self.weight_zero_point is None else self.weight_zero_point[...]
+            y = int4_matmul(rows, q, scale, zero, layer, group_size=group_size, interpret=interpret)
+        elif self.format.kernel_reads_stacks and fits(in_features, out_features):
+            y = quantized_matmul(rows, q, scale, layer, interpret=interpret)
         else:
-            rows = x.reshape(-1, in_features)  # f[B * T, in]
-            y = quantized_matmul(rows, q, scale, layer, interpret=stacked_gemm == PALLAS_INTERPRET_GEMM)
-            y = y.reshape(*x.shape[:-1], out_features)
+            y = scaled_matmul(x, self._weight(layer), scale[layer], self.block, self._zero_point(layer))
+            return y if self.bias is None else y + self.bias[...]
+        y = y.reshape(*x.shape[:-1], out_features)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -239,7 +254,7 @@ class LlamaModel(nnx.Module):
         # A trace-time numpy constant, so it never becomes a parameter.
         cos, sin = rotary_cos_sin(positions, inverse_frequencies(self.rope, self.head_dim))
         x = self.embed_tokens(tokens)
-        if not reads_in_place(stacked_gemm, tokens.size):
+        if not reads_in_place(stacked_gemm, tokens.size, self._projection_format()):
             stacked_gemm = XLA_GEMM
         # `stacked` is scanned (one layer's slice each iteration); `whole`, the quantized weights when the kernel
         # reads them in place, is not.
@@ -261,6 +276,10 @@ class LlamaModel(nnx.Module):
         layer_indices = jnp.arange(self.num_layers, dtype=jnp.int32)  # i32[num_layers]
         (x, cache), _ = jax.lax.scan(run_layer, (x, cache), (stacked, layer_indices, lora, self._windows()))
         return self.norm(x), cache
+
+    def _projection_format(self) -> WeightFormat | None:
+        projection = self.layers.self_attn.q_proj
+        return projection.format if isinstance(projection, QuantizedLinear) else None
 
     def _windows(self) -> jax.Array | None:
         """i32[num_layers]: each layer's sliding window, FULL_ATTENTION_WINDOW where the layer has none; None when no

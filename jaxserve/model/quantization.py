@@ -23,10 +23,13 @@ checkpoint's calibrated per-tensor `input_scale`. The GEMM then multiplies two f
 float32, and both scales multiply its output (`w8a8_matmul`; `w8a8_reference` is the same product on dequantized
 float32 operands). Block-scaled formats keep W8A16.
 
-4-bit checkpoints (W4A16; checkpoint/int4_checkpoint.py) run as `int4_format`: int4 weights, a scale per group of
-input features (a block of one row) or per channel, and zero points where asymmetric: weight = (q - zero) * scale,
-dequantized into the activations' dtype inside the step and fed to the dot. XLA:GPU does not fuse grouped scales
-into its GEMM, so that weight is widened in memory: a fused 4-bit kernel is still to come.
+4-bit checkpoints (W4A16; checkpoint/int4_checkpoint.py) run as `int4_format`: 4-bit weights packed two a byte, a
+scale per group of input features (a block of one row) or per channel, and zero points where asymmetric: weight =
+(q - zero) * scale. The packing (`pack_int4`) is one a kernel reads without shuffling: in each block of PACK_COLUMNS
+input features, byte j holds feature j in its low nibble and feature j + PACK_COLUMNS / 2 in its high one, each as
+its signed value + 8, so a block unpacks into two contiguous halves. kernels_pallas/int4_matmul.py reads the packed
+stacks in place for every step (`reads_in_place`); the reference path (`unpack_int4`, then `dequantize`) rebuilds
+the weight in the activations' dtype inside the step and feeds it to the dot.
 
 Embeddings, norms and lm_head stay unquantized, as vLLM leaves them.
 
@@ -75,7 +78,12 @@ class WeightFormat:
     @property
     def kernel_reads_stacks(self) -> bool:
         """kernels_pallas/quantized_matmul.py can read this format's stacked weights in place (8-bit, per channel)."""
-        return self.block is None and not self.zero_points and self.dtype.itemsize == 1 and self.dtype != INT4
+        return self.block is None and not self.zero_points and not self.packs_int4
+
+    @property
+    def packs_int4(self) -> bool:
+        """Weights are 4-bit, two a byte: a weight [out, in] is stored u8[out, packed_width(in)] (`pack_int4`)."""
+        return self.dtype == PACKED_INT4
 
 
 # How a step program multiplies by layer-stacked quantized weights (EngineConfig.stacked_gemm): XLA on each layer's
@@ -96,18 +104,45 @@ WEIGHT_FORMATS = {
     "fp8": WeightFormat("fp8", np.dtype(jnp.float8_e4m3fn), float(jnp.finfo(jnp.float8_e4m3fn).max), rounds=False,
                         activations=DYNAMIC_ACTIVATIONS),
 }
-INT4 = np.dtype(jnp.int4)  # 4-bit weights (W4A16 checkpoints), signed -8..7
+PACKED_INT4 = np.dtype(np.uint8)  # 4-bit weights (W4A16 checkpoints), two a byte (pack_int4)
+PACK_COLUMNS = 64  # input features per packed block: byte j holds feature j and feature j + 32
+_INT4_OFFSET = 8  # a nibble holds its signed value + 8
 
 
 def int4_format(group_size: int | None, zero_points: bool) -> WeightFormat:
-    """A 4-bit checkpoint's format: signed int4 weights with a scale per `group_size` consecutive input features of
-    each output channel (None: one per channel), and zero points where the checkpoint is asymmetric."""
-    return WeightFormat("int4", INT4, 7.0, rounds=True, block=None if group_size is None else (1, group_size),
+    """A 4-bit checkpoint's format: signed 4-bit weights packed two a byte, with a scale per `group_size`
+    consecutive input features of each output channel (None: one per channel), and zero points where the checkpoint
+    is asymmetric."""
+    return WeightFormat("int4", PACKED_INT4, 7.0, rounds=True, block=None if group_size is None else (1, group_size),
                         zero_points=zero_points)
 
 
+def packed_width(in_features: int) -> int:
+    """Bytes per output channel of a packed 4-bit weight: the input features padded to whole blocks, two a byte."""
+    return -(-in_features // PACK_COLUMNS) * PACK_COLUMNS // 2
+
+
+def pack_int4(values: np.ndarray) -> np.ndarray:
+    """u8[..., packed_width(K)] of signed 4-bit values i8[..., K] (on the host, as a checkpoint is read), padded with
+    zeros to whole blocks."""
+    in_features = values.shape[-1]
+    stored = np.asarray(values, np.int16) + _INT4_OFFSET
+    padded = np.pad(stored, [(0, 0)] * (stored.ndim - 1) + [(0, 2 * packed_width(in_features) - in_features)],
+                    constant_values=_INT4_OFFSET).astype(np.uint8)
+    halves = padded.reshape(*padded.shape[:-1], -1, 2, PACK_COLUMNS // 2)  # [..., blocks, low/high, 32]
+    return (halves[..., 0, :] | (halves[..., 1, :] << 4)).reshape(*padded.shape[:-1], -1)
+
+
+def unpack_int4(packed: jax.Array, in_features: int) -> jax.Array:  # i8[..., in_features]
+    """The signed 4-bit values u8[..., packed_width(in_features)] holds (`pack_int4`), in order."""
+    blocks = packed.reshape(*packed.shape[:-1], -1, PACK_COLUMNS // 2)  # u8[..., blocks, 32]
+    halves = jnp.stack([blocks & 0xF, blocks >> 4], axis=-2)  # u8[..., blocks, 2, 32]
+    values = halves.reshape(*packed.shape[:-1], -1)[..., :in_features]
+    return values.astype(jnp.int8) - _INT4_OFFSET
+
+
 # What a quantized weight is stored in
-QUANTIZED_DTYPES = (*(fmt.dtype for fmt in WEIGHT_FORMATS.values()), INT4)
+QUANTIZED_DTYPES = (*(fmt.dtype for fmt in WEIGHT_FORMATS.values()), PACKED_INT4)
 SCALE_SUFFIX = "_scale"  # `...q_proj.weight_scale` beside `...q_proj.weight`
 ZERO_POINT_SUFFIX = "_zero_point"  # `...q_proj.weight_zero_point` beside `...q_proj.weight_scale`
 
@@ -212,11 +247,13 @@ def w8a8_reference(x: jax.Array, q: jax.Array, scale: jax.Array, fmt: WeightForm
     return y.astype(x.dtype)
 
 
-def reads_in_place(stacked_gemm: str, rows: int) -> bool:
-    """Whether a step of `rows` tokens multiplies by its quantized weights on the whole stacks (the Pallas kernel)."""
+def reads_in_place(stacked_gemm: str, rows: int, fmt: WeightFormat | None = None) -> bool:
+    """Whether a step of `rows` tokens multiplies by its quantized weights (in format `fmt`) on the whole stacks
+    (the Pallas kernels): decode steps, or every step where the weights are packed 4-bit (which XLA would widen)."""
     if stacked_gemm not in STACKED_GEMMS:
         raise ValueError(f"stacked_gemm must be one of {', '.join(STACKED_GEMMS)}, got {stacked_gemm!r}")
-    return stacked_gemm != XLA_GEMM and rows <= IN_PLACE_MAX_ROWS
+    packed = fmt is not None and fmt.packs_int4
+    return stacked_gemm != XLA_GEMM and (packed or rows <= IN_PLACE_MAX_ROWS)
 
 
 def is_stacked_quantized_weight(path: tuple, variable) -> bool:

@@ -147,12 +147,14 @@ class ModelRunner:
         # The compiled programs of every bucket (compiled by warm_up) and their transfer buffers' layouts: a
         # pooling engine's (--runner pooling) pool hidden states instead of sampling (run_pooling)
         platform = self.mesh.devices.flat[0].platform
+        weight_format = projection_format(nnx.merge(graphdef, self._abstract_params))
         step_options = StepCompilerOptions(platform, config.gemm_backend, _has_quantized_weights(params),
-                                           projection_format(nnx.merge(graphdef, self._abstract_params)))
+                                           weight_format)
+        stacked_gemm = config.stacked_gemm(platform, weight_format is not None and weight_format.packs_int4)
         self.programs = (PoolingPrograms(graphdef, arguments, config, self.buckets, step_options, self.guard)
                          if config.pooling else
                          StepPrograms(graphdef, arguments, config, model_config.vocab_size, self.buckets, self.inputs,
-                                      step_options, self.guard, config.stacked_gemm(platform),
+                                      step_options, self.guard, stacked_gemm,
                                       self.mesh.abstract_mesh if compile_only else None))
         self.bucket_counts: collections.Counter[StepBucket] = collections.Counter()  # steps run per bucket
         # The per-step broadcast when the mesh spans processes; None on one process.

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import BUILTIN_MODEL_DIR, LoadedModel
@@ -54,6 +55,7 @@ from jaxserve.config import PALLAS_BACKEND, XLA_BACKEND, EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import parse_dtype
+from jaxserve.model.quantization import int4_format
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import load_tokenizer
 from jaxserve.gpu_programs.target import TARGETS_DIR, load_target
@@ -82,6 +84,9 @@ class EngineVariant:
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
     xla_flags: str = ""  # added to XLA_FLAGS in this engine's process (XLA:GPU settings under test)
     gemm_backend: str = "auto"  # --gemm-backend
+    # The random weights as a 4-bit (W4A16) checkpoint stores them: packed, with a scale and zero point per group of
+    # this many input features; None: as `quantization` says
+    int4_group: int | None = None
 
 
 # XLA:GPU runs the scanned layers' loop as one launch of the body per layer (its trip count is known, so no host
@@ -97,6 +102,9 @@ ENGINE_VARIANTS = {
     # int8 / fp8 decode through the Pallas W8A16 kernel reading the stacked weights in place (--gemm-backend pallas)
     "pallas-int8-gemm-pallas": EngineVariant(PALLAS_BACKEND, "int8", gemm_backend="pallas"),
     "pallas-fp8-gemm-pallas": EngineVariant(PALLAS_BACKEND, "fp8", gemm_backend="pallas"),
+    # 4-bit weights as a W4A16 checkpoint (group 128, zero points) stores them: every step through the Pallas W4A16
+    # kernel (--gemm-backend auto on one GPU)
+    "pallas-int4": EngineVariant(PALLAS_BACKEND, int4_group=128),
     "pallas-kv-fp8": EngineVariant(PALLAS_BACKEND, kv_cache_dtype="fp8"),
     "pallas-fp8-kv-fp8": EngineVariant(PALLAS_BACKEND, "fp8", "fp8"),
     "pallas-graphed-loop": EngineVariant(PALLAS_BACKEND, xla_flags=GRAPHED_LOOP_FLAGS),
@@ -216,12 +224,17 @@ def engine_config(settings: EngineSettings, variant: EngineVariant) -> EngineCon
                         pallas_interpret=settings.interpret and variant.backend != XLA_BACKEND, seed=settings.seed)
 
 
-def random_model(settings: EngineSettings, quantization: str | None = None) -> LoadedModel:
+def random_model(settings: EngineSettings, quantization: str | None = None,
+                 int4_group: int | None = None) -> LoadedModel:
     """The config's model with random weights, built straight on the device (no checkpoint on disk), its
-    projections quantized there when asked (as loading quantizes a checkpoint's); the built-in tokenizer serves,
-    since out-of-vocabulary ids decode to nothing and prompts are token ids."""
+    projections quantized there when asked (as loading quantizes a checkpoint's), or drawn as packed 4-bit weights
+    with group scales and zero points (`int4_group`); the built-in tokenizer serves, since out-of-vocabulary ids
+    decode to nothing and prompts are token ids."""
     config = LlamaConfig.from_hf_dict(settings.hf_config)
     dtype = parse_dtype(settings.dtype)
+    if int4_group is not None:
+        graphdef, params = _random_int4(config, dtype, settings.seed, int4_group)
+        return LoadedModel(config, graphdef, params, dtype, BUILTIN_MODEL_DIR, "random")
     graphdef, params = random_params(config, dtype, settings.seed, ENGINE_INIT_STD)
     if quantization is not None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -229,6 +242,29 @@ def random_model(settings: EngineSettings, quantization: str | None = None) -> L
         graphdef, params = placed.graphdef, fill_params(placed, quantized_arrays(flat_arrays(params), placed.specs,
                                                                                  quantization))
     return LoadedModel(config, graphdef, params, dtype, BUILTIN_MODEL_DIR, "random")
+
+
+def _random_int4(config: LlamaConfig, dtype, seed: int, group_size: int) -> tuple[Any, Any]:
+    """Random parameters with the projections as packed 4-bit weights whose dequantized values have about
+    ENGINE_INIT_STD's spread (uniform 4-bit values, zero points of 0), drawn straight into that layout (no bf16
+    projections ever exist, which other engine processes' memory could not spare); norms of 1."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placed = abstract_params(config, dtype, lambda name, shape: device, int4_format(group_size, zero_points=True))
+    key = jax.random.key(seed)
+    filled = {}
+    for name, spec in placed.specs.items():
+        key, draw = jax.random.split(key)
+        if spec.dtype == np.uint8:
+            filled[name] = jax.random.randint(draw, spec.shape, 0, 256, jnp.int32).astype(jnp.uint8)
+        elif name.endswith("weight_scale"):
+            filled[name] = jnp.full(spec.shape, ENGINE_INIT_STD / 4.6, jnp.float32)  # 4-bit values' spread: ~4.6
+        elif name.endswith("weight_zero_point"):
+            filled[name] = jnp.zeros(spec.shape, jnp.int8)
+        elif name.endswith("norm.weight"):
+            filled[name] = jnp.ones(spec.shape, spec.dtype)
+        else:
+            filled[name] = (ENGINE_INIT_STD * jax.random.normal(draw, spec.shape, jnp.float32)).astype(spec.dtype)
+    return placed.graphdef, fill_params(placed, filled)
 
 
 def spec_bandwidth(device_kind: str) -> dict[str, Any] | None:
@@ -262,7 +298,7 @@ def start_engine(settings: EngineSettings, name: str) -> dict[str, Any]:
     streams = measure_stream_rates(settings.copy_bytes, settings.dtype, settings.reps, warmup=2, seed=settings.seed)
     if "error" in streams["copy"]:
         raise RuntimeError(f"the copy bandwidth, which the roofline needs, failed: {streams['copy']['error']}")
-    model = random_model(settings, variant.quantization)
+    model = random_model(settings, variant.quantization, variant.int4_group)
     start = time.perf_counter()
     engine = LLMEngine(model, load_tokenizer(BUILTIN_MODEL_DIR), engine_config(settings, variant), progress=False)
     _ENGINE.update(engine=engine, settings=settings)

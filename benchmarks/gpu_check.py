@@ -20,9 +20,10 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
              engine_speed   benchmarks/engine_bench.py: batch-1 decode against the HBM roofline (measured copy rate
                             and spec), throughput at 64 and 256 sequences, pallas vs xla, host time per step phase
                             (schedule, dispatch, wait, outputs)
-    group 3  quantized_engine  benchmarks/engine_bench.py with five engines alive at once: bf16, int8 and fp8
+    group 3  quantized_engine  benchmarks/engine_bench.py with six engines alive at once: bf16, int8 and fp8
                             weights through XLA's GEMMs and through the Pallas W8A16 kernel (--gemm-backend
-                            pallas); batch 1 and 64 decode, each against bf16
+                            pallas), 4-bit weights (group 128) through the Pallas W4A16 kernel; batch 1 and 64
+                            decode, each against bf16
              serve          `jaxserve serve --config configs/llama-3.1-8b-h100.yaml` on a random 8B checkpoint (its
                             tokenizer widened to the model's vocabulary), benchmarks/serve.py for 30 s at concurrency
                             16 and 30 s at 64: TTFT / TPOT p50 and p95

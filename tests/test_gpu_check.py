@@ -395,9 +395,10 @@ def assert_figures_of_every_part(parts: dict) -> None:
     assert {(row["batch"], row["backend"]) for row in figures["graphed_loop"]["rows"]} == {
         (1, "pallas"), (1, "pallas-graphed-loop")}
     assert {(row["batch"], row["backend"]) for row in figures["quantized_engine"]["rows"]} == {
-        (batch, variant) for batch in (1, 2) for variant in ("pallas", "pallas-int8-gemm-pallas")}
-    assert figures["quantized_engine"]["weights_only_roofline"]["pallas-int8-gemm-pallas"]["weight_bytes"] < (
-        figures["quantized_engine"]["weights_only_roofline"]["pallas"]["weight_bytes"])
+        (batch, variant) for batch in (1, 2) for variant in ("pallas", "pallas-int8-gemm-pallas", "pallas-int4")}
+    weights = {name: roofline["weight_bytes"]
+               for name, roofline in figures["quantized_engine"]["weights_only_roofline"].items()}
+    assert weights["pallas-int4"] < weights["pallas-int8-gemm-pallas"] < weights["pallas"]
     speculative = {(row["batch"], row["mode"]): row for row in figures["speculative"]["rows"]}
     assert figures["speculative"]["outputs_identical"] and speculative[(1, "replay@1")]["steps_vs_plain"] < 1
     for level in figures["serve"]["levels"]:

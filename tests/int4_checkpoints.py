@@ -54,29 +54,27 @@ def save_compressed_tensors_w4a16(model, folder: Path, group_size: int | None = 
     compressor.update_config(folder)
 
 
-def _groups_min_max(weight: np.ndarray, group_size: int | None, clamp_to_zero: bool):
-    """(low, high) f32[N, G] of weight [N, K] per group of input features; GPTQ widens each range to hold 0."""
-    out_features, in_features = weight.shape
-    size = in_features if group_size is None else group_size
-    groups = weight.reshape(out_features, in_features // size, size)
-    low, high = groups.min(-1), groups.max(-1)
-    return (np.minimum(low, 0), np.maximum(high, 0)) if clamp_to_zero else (low, high)
-
-
-def _quantize_groups(weight: np.ndarray, group_size: int | None, symmetric: bool, clamp_to_zero: bool):
-    """(q u8[N, K], zero u8[N, G], scale f16[N, G]) with weight ≈ (q - zero) * scale, rounded as AutoAWQ's and
-    GPTQ's round-to-nearest quantizers do (their calibration aside)."""
-    low, high = _groups_min_max(weight, group_size, clamp_to_zero)
+def _quantize_groups(weight: np.ndarray, g_idx: np.ndarray, symmetric: bool, clamp_to_zero: bool):
+    """(q u8[N, K], zero u8[N, G], scale f16[N, G]) with weight[:, k] ≈ (q[:, k] - zero[:, g]) * scale[:, g] for
+    g = g_idx[k], rounded as AutoAWQ's and GPTQ's round-to-nearest quantizers do (their calibration aside); GPTQ
+    widens each group's range to hold 0."""
+    groups = g_idx.max() + 1
+    low = np.stack([weight[:, g_idx == g].min(1) for g in range(groups)], 1)  # f32[N, G]
+    high = np.stack([weight[:, g_idx == g].max(1) for g in range(groups)], 1)
+    if clamp_to_zero:
+        low, high = np.minimum(low, 0), np.maximum(high, 0)
     if symmetric:
         scale = (2 * np.maximum(-low, high) / 15).astype(np.float16)
         zero = np.full(scale.shape, 8.0)
     else:
         scale = (np.maximum(high - low, 1e-5) / 15).astype(np.float16)
         zero = np.clip(np.round(-low / scale.astype(np.float32)), 0, 15)
-    size = weight.shape[1] // scale.shape[1]
-    per_weight = np.repeat(scale.astype(np.float32), size, 1), np.repeat(zero, size, 1)
-    q = np.clip(np.round(weight / per_weight[0]) + per_weight[1], 0, 15)
+    q = np.clip(np.round(weight / scale.astype(np.float32)[:, g_idx]) + zero[:, g_idx], 0, 15)
     return q.astype(np.uint8), zero.astype(np.uint8), scale
+
+
+def _in_order(in_features: int, group_size: int | None) -> np.ndarray:
+    return np.arange(in_features) // (in_features if group_size is None else group_size)
 
 
 def _pack(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
@@ -106,7 +104,8 @@ def save_awq(model, folder: Path, group_size: int = 32, scale_dtype=np.float16) 
     def quantize(tensors):
         for module in _projections(tensors):
             weight = tensors.pop(module + ".weight").float().numpy()
-            q, zero, scale = _quantize_groups(weight, group_size, symmetric=False, clamp_to_zero=False)
+            q, zero, scale = _quantize_groups(weight, _in_order(weight.shape[1], group_size), symmetric=False,
+                                              clamp_to_zero=False)
             tensors[module + ".qweight"] = torch.from_numpy(_pack(q.T, 1, order))
             tensors[module + ".qzeros"] = torch.from_numpy(_pack(zero.T, 1, order))
             tensors[module + ".scales"] = torch.from_numpy(np.ascontiguousarray(scale.T.astype(scale_dtype)))
@@ -138,11 +137,13 @@ def awq_as_compressed_tensors(folder: Path, out: Path) -> Path:
 
 
 def save_gptq(model, folder: Path, group_size: int | None = 32, symmetric: bool = False, v1: bool = True,
-              positive_groups: bool = True):
+              positive_groups: bool = True, act_order: bool = False):
     """A GPTQ checkpoint of `model` in GPTQModel's layout: qweight [K/8, N] packed along K, qzeros [G, N/8] along N
     (v1: each packed word less 0x11111111, v2: as is), scales f16 [G, N], g_idx [K]. With `positive_groups` the first
     group of every eighth output channel holds only positive weights, so its zero point is 0, which v1 stores as -1
-    with a borrow from the next nibble. Returns the HF model with the weights the checkpoint stands for (the oracle)."""
+    with a borrow from the next nibble. With `act_order` (desc_act) each group is a random set of group_size input
+    features, as quantizing in activation order leaves them, g_idx saying which. Returns the HF model with the
+    weights the checkpoint stands for (the oracle)."""
     import copy
 
     import torch
@@ -152,28 +153,29 @@ def save_gptq(model, folder: Path, group_size: int | None = 32, symmetric: bool 
     dequantized = copy.deepcopy(model)
     model.save_pretrained(folder)
     weights = {}
+    rng = np.random.default_rng(0)
 
     def quantize(tensors):
         for module in _projections(tensors):
             weight = tensors.pop(module + ".weight").float().numpy().copy()
-            size = weight.shape[1] if group_size is None else group_size
+            g_idx = _in_order(weight.shape[1], group_size)
+            if act_order:
+                g_idx = g_idx[rng.permutation(weight.shape[1])]
             if positive_groups:
-                weight[::8, :size] = np.abs(weight[::8, :size])
-            q, zero, scale = _quantize_groups(weight, group_size, symmetric, clamp_to_zero=True)
-            weights[module] = (q.astype(np.float32) - np.repeat(zero, size, 1)) * np.repeat(
-                scale.astype(np.float32), size, 1)
+                weight[::8, g_idx == 0] = np.abs(weight[::8, g_idx == 0])
+            q, zero, scale = _quantize_groups(weight, g_idx, symmetric, clamp_to_zero=True)
+            weights[module] = (q.astype(np.float32) - zero[:, g_idx]) * scale.astype(np.float32)[:, g_idx]
             words = _pack(zero.T, 1).view(np.uint32)
             tensors[module + ".qweight"] = torch.from_numpy(_pack(q.T, 0))
             tensors[module + ".qzeros"] = torch.from_numpy(
                 (words - np.uint32(0x11111111) if v1 else words).view(np.int32))
             tensors[module + ".scales"] = torch.from_numpy(np.ascontiguousarray(scale.T))
-            tensors[module + ".g_idx"] = torch.from_numpy(
-                (np.arange(weight.shape[1]) // size).astype(np.int32))
+            tensors[module + ".g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
 
     edit_tensors(folder, quantize)
     edit_config_file(folder, quantization_config={
         "quant_method": "gptq", "bits": 4, "group_size": -1 if group_size is None else group_size,
-        "desc_act": False, "sym": symmetric, "checkpoint_format": "gptq" if v1 else "gptq_v2", "lm_head": False})
+        "desc_act": act_order, "sym": symmetric, "checkpoint_format": "gptq" if v1 else "gptq_v2", "lm_head": False})
     with torch.no_grad():
         for name, module in dequantized.named_modules():
             if name in weights:

@@ -162,16 +162,21 @@ def _calls_the_int4_kernel(llm: LLM) -> bool:
 
 
 @pytest.mark.parity
-def test_the_pallas_w4a16_kernel_decodes_what_the_reference_path_decodes(tmp_path):
-    """Groups of 64 (the kernel's packed block) with zero points: the engine reading the 4-bit stacks in place
-    (--gemm-backend pallas, interpreted here; under auto on a GPU) gives the greedy tokens and logprobs of the
-    reference path, which dequantizes each layer's weight for XLA's matmul."""
+@pytest.mark.parametrize("layout", ["compressed-tensors", "gptq act-order"])
+def test_the_pallas_w4a16_kernel_decodes_what_the_reference_path_decodes(tmp_path, layout):
+    """Groups of 64 (the kernel's packed block) with zero points, and an act-order GPTQ checkpoint's permuted
+    features: the engine reading the 4-bit stacks in place (--gemm-backend pallas, interpreted here; under auto on a
+    GPU) gives the greedy tokens and logprobs of the reference path, which dequantizes each layer's weight for XLA's
+    matmul."""
     from tests.fp8_checkpoints import vary_block_magnitudes
     from tests.hf_models import build_tiny_hf_llama
-    from tests.int4_checkpoints import save_compressed_tensors_w4a16
+    from tests.int4_checkpoints import save_compressed_tensors_w4a16, save_gptq
 
     model = vary_block_magnitudes(build_tiny_hf_llama("llama31", vocab_size=512, intermediate_size=192))
-    save_compressed_tensors_w4a16(model, tmp_path, group_size=64, symmetric=False)
+    if layout == "gptq act-order":
+        save_gptq(model, tmp_path, group_size=64, act_order=True)
+    else:
+        save_compressed_tensors_w4a16(model, tmp_path, group_size=64, symmetric=False)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
     decoded = {}
     for name, settings in (("xla", {}), ("kernel", dict(gemm_backend="pallas", pallas_interpret=True))):
@@ -289,6 +294,8 @@ GPTQ = {  # name -> (writer arguments, the format jaxserve reports running)
     "gptq-v1-sym": (dict(group_size=32, symmetric=True, v1=True), "int4 (gptq v1 W4A16, group 32, symmetric)"),
     "gptq-v1-channel": (dict(group_size=None, symmetric=False, v1=True),
                         "int4 (gptq v1 W4A16, per-channel, asymmetric, zero points)"),
+    "gptq-act-order": (dict(group_size=32, symmetric=False, v1=False, act_order=True),
+                       "int4 (gptq v2 W4A16, group 32, asymmetric, zero points, act-order)"),
 }
 
 
@@ -354,11 +361,10 @@ def _edited_gptq(folder: Path, tmp_path: Path, **fields) -> Path:
     return copy
 
 
-def _permuted_g_idx(tensors):
-    import torch
-
+def _uneven_g_idx(tensors):
     name = "model.layers.1.mlp.up_proj.g_idx"
-    tensors[name] = tensors[name][torch.randperm(tensors[name].shape[0], generator=torch.Generator().manual_seed(0))]
+    tensors[name] = tensors[name].clone()
+    tensors[name][:3] = 1  # group 0 short of three features, group 1 three over
 
 
 REFUSED_AWQ_GPTQ = {
@@ -381,10 +387,21 @@ def test_awq_and_gptq_schemes_jaxserve_does_not_run_are_refused_by_name(awq_gptq
 
 
 @pytest.mark.parity
-def test_act_order_gptq_is_refused_naming_the_g_idx(awq_gptq, tmp_path):
-    folder = _retensored(awq_gptq["gptq-v1-asym"][0], tmp_path, _permuted_g_idx)
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.up_proj\.g_idx is not k // group_size"):
-        plan_model(folder, "float32")
+def test_act_order_needs_its_permutation_and_uneven_groups_or_a_missing_g_idx_are_refused(awq_gptq, tmp_path):
+    """Read without the permutation (g_idx taken as k // group_size) the act-order checkpoint's logits are far off;
+    a g_idx whose groups are not all full is refused naming it."""
+    folder, oracle = awq_gptq["gptq-act-order"]
+    loaded = load_model(folder, "float32", progress=False)
+    tokens = random_tokens(loaded.config.vocab_size, 24)
+    arrays = flat_arrays(loaded.params)
+    unpermuted = {name: jnp.broadcast_to(jnp.arange(array.shape[-1], dtype=jnp.int32), array.shape)
+                  if name.endswith("_perm") else array for name, array in arrays.items()}
+    wrong = jaxserve_logits(_dense(loaded, unpermuted), tokens)
+    assert np.abs(wrong - hf_logits(oracle, tokens)).max() > 100 * TOLERANCE
+    uneven = _retensored(awq_gptq["gptq-v1-asym"][0], tmp_path, _uneven_g_idx)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.up_proj\.g_idx does not give every "
+                                                    r"group 32 input features"):
+        plan_model(uneven, "float32")
     missing = _retensored(awq_gptq["gptq-v1-asym"][0], tmp_path / "missing",
                           _drop("model.layers.0.self_attn.o_proj.g_idx"))
     with pytest.raises(ModelLoadError, match=r"lacks tensor model\.layers\.0\.self_attn\.o_proj\.g_idx"):

@@ -10,8 +10,10 @@ Per decoder projection (K = in, N = out features, g = group size, G = ceil(K / g
     The v1 format (`checkpoint_format: gptq`, the default) stores each zero point less one, subtracted from the
     packed word as a whole (0x11111111 for eight nibbles, borrowing across them): it is added back to the word before
     unpacking. A symmetric checkpoint's zero points are 8 by definition and not read.
-Act-order GPTQ checkpoints (a g_idx that is not k // g) are refused by name, as are other AWQ versions (gemv,
-gemv_fast, marlin), per-module overrides (`dynamic`), a quantized lm_head, and widths other than 4 bits.
+Act-order GPTQ checkpoints (desc_act: a g_idx that is not k // g, each group still g features) have each weight's
+columns sorted by group as they are read, and keep the sorting permutation (`weight_perm`) to gather the activations
+into the same order. Other AWQ versions (gemv, gemv_fast, marlin), per-module overrides (`dynamic`), a quantized
+lm_head, uneven act-order groups and widths other than 4 bits are refused by name.
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def _gptq(config: Mapping[str, Any], group_size: int | None) -> Int4Quantization
 
 
 def targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None, fmt: WeightFormat,
-            quantization: Int4Quantization) -> tuple[TensorTarget, TensorTarget, TensorTarget | None]:
-    """(weight, scale, zero point or None) targets of one projection, read from its qweight, scales and qzeros."""
+            quantization: Int4Quantization,
+            orders: Mapping[str, np.ndarray | None]) -> tuple[TensorTarget, TensorTarget, TensorTarget | None]:
+    """(weight, scale, zero point or None) targets of one projection, read from its qweight, scales and qzeros; an
+    act-order GPTQ weight's columns sorted by group as they are read (`orders`: group_orders)."""
     out_features, in_features = weight.stored_shape
     modules = tuple(source.removesuffix(_WEIGHT) for source in weight.sources)
     groups = scale_shape(fmt, out_features, in_features)[1:] or (1,)  # (G,), or (1,) per channel
@@ -110,6 +114,9 @@ def targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None
         convert = lambda words: packed(signed(unpack_int4(words, in_features, 0)).T)  # noqa: E731
     weights = dataclasses.replace(weight, sources=tuple(m + _QWEIGHT for m in modules), stored_shape=stored,
                                  stored_dtype=INT32, convert=convert)
+    if any(orders.get(source) is not None for source in weight.sources):
+        weights = dataclasses.replace(weights, convert=None, source_converts=tuple(
+            _sorted_gptq_weight(in_features, orders[source]) for source in weight.sources))
     scales = dataclasses.replace(scale, sources=tuple(m + _SCALES for m in modules),
                                  stored_shape=(*groups, out_features), stored_rows=weight.stored_rows,
                                  convert=lambda values: np.reshape(values.T, placed_scale))
@@ -124,6 +131,14 @@ def targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None
     return weights, scales, zeros
 
 
+def _sorted_gptq_weight(in_features: int, order: np.ndarray | None):
+    """A GPTQ qweight's transform with its input features (columns) put in `order` (None: as stored)."""
+    def convert(words: np.ndarray) -> np.ndarray:
+        values = signed(unpack_int4(words, in_features, 0)).T  # i8[N, K]
+        return packed(values if order is None else values[:, order])
+    return convert
+
+
 def unpack_zero_points(words: np.ndarray, count: int, order: tuple[int, ...], v1: bool) -> np.ndarray:
     """u8[G, count] zero points of qzeros I32 [G, ceil(count/8)]; `v1`: GPTQ v1's words, each stored less
     0x11111111, which is added back to the whole word (a zero point of 0 was stored as 15, borrowing from the next)."""
@@ -133,31 +148,52 @@ def unpack_zero_points(words: np.ndarray, count: int, order: tuple[int, ...], v1
 
 
 def unread_tensors(quantization: Int4Quantization) -> UnreadTensors:
-    """GPTQ's g_idx (checked apart: check_groups_in_order) and a symmetric checkpoint's zero points."""
+    """GPTQ's g_idx where no weight_perm reads it (read apart: group_orders), and a symmetric checkpoint's zero
+    points."""
     if quantization.method != GPTQ:
         return UnreadTensors()
-    return UnreadTensors(dropped_suffixes=(_G_IDX, *((_QZEROS,) if quantization.symmetric else ())))
+    return UnreadTensors(dropped_suffixes=(*(() if quantization.act_order else (_G_IDX,)),
+                                           *((_QZEROS,) if quantization.symmetric else ())))
 
 
-def check_groups_in_order(model_dir: Path, weights: Mapping[str, TensorTarget], quantization: Int4Quantization) -> None:
-    """A GPTQ checkpoint's g_idx must be k // group_size (groups of consecutive input features), read at plan time:
-    UnsupportedModelError naming the first act-order one (desc_act), ModelLoadError for a misshapen or missing one.
-    `weights` are the quantized projections' weight targets in the model's layout (sources `<module>.weight`,
-    stored shape (N, K))."""
+def permutation_target(weight: TensorTarget, target: TensorTarget) -> TensorTarget:
+    """An act-order projection's `weight_perm` i32[L, K], read from its g_idx (sorted_g_idx)."""
+    modules = tuple(source.removesuffix(_WEIGHT) for source in weight.sources)
+    return dataclasses.replace(target, sources=tuple(m + _G_IDX for m in modules),
+                               stored_shape=(weight.stored_shape[1],), stored_dtype=INT32, convert=sorted_g_idx)
+
+
+def group_orders(model_dir: Path, weights: Mapping[str, TensorTarget],
+                 quantization: Int4Quantization) -> dict[str, np.ndarray | None]:
+    """Checkpoint weight name -> the permutation i32[K] that sorts its input features by group (a stable sort of its
+    GPTQ g_idx), or None where g_idx is k // group_size already; read at plan time. Act-order (desc_act) checkpoints
+    have permutations; each of their groups must hold group_size features. ModelLoadError for a missing or misshapen
+    g_idx, UnsupportedModelError for uneven groups. `weights` are the quantized projections' weight targets in the
+    model's layout (sources `<module>.weight`, stored shape (N, K)); {} for AWQ."""
     if quantization.method != GPTQ:
-        return
-    expected = {}
-    for target in weights.values():
-        for source in target.sources:
-            expected[source.removesuffix(_WEIGHT) + _G_IDX] = target.stored_shape[1]
-    found = read_small_tensors(model_dir, sorted(expected))
-    for name, in_features in expected.items():
+        return {}
+    expected = {source: target.stored_shape[1] for target in weights.values() for source in target.sources}
+    found = read_small_tensors(model_dir, [source.removesuffix(_WEIGHT) + _G_IDX for source in expected])
+    orders = {}
+    for source, in_features in expected.items():
+        name = source.removesuffix(_WEIGHT) + _G_IDX
         if name not in found:
             raise ModelLoadError(f"{model_dir} lacks tensor {name} (a GPTQ checkpoint stores each projection's g_idx)")
         g_idx = found[name]
         if g_idx.shape != (in_features,):
             raise ModelLoadError(f"tensor {name} has shape {list(g_idx.shape)}; the config implies [{in_features}]")
-        if not np.array_equal(g_idx, np.arange(in_features) // (quantization.group_size or in_features)):
-            raise UnsupportedModelError(
-                f"{name} is not k // group_size: act-order GPTQ checkpoints (desc_act, a g_idx permutation) are not "
-                f"supported yet")
+        in_order = np.arange(in_features) // (quantization.group_size or in_features)
+        if np.array_equal(g_idx, in_order):
+            orders[source] = None
+            continue
+        order = np.argsort(g_idx, kind="stable").astype(np.int32)
+        if not np.array_equal(g_idx[order], in_order):
+            raise UnsupportedModelError(f"{name} does not give every group {quantization.group_size} input features: "
+                                        f"jaxserve runs act-order checkpoints whose groups are all full")
+        orders[source] = order
+    return orders
+
+
+def sorted_g_idx(g_idx: np.ndarray) -> np.ndarray:
+    """i32[K]: the input feature each stored column holds once an act-order weight's columns are sorted by group."""
+    return np.argsort(np.asarray(g_idx), kind="stable").astype(np.int32)

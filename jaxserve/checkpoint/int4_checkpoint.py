@@ -32,7 +32,8 @@ from jaxserve.checkpoint.int4_layout import (INT32, PER_WORD, Int4Quantization, 
 from jaxserve.checkpoint.param_tree import TensorTarget, UnreadTensors
 from jaxserve.checkpoint.quantized_checkpoint import COMPRESSED_TENSORS, check_quantized, ct_scheme, ct_unquantized
 from jaxserve.errors import UnsupportedModelError
-from jaxserve.model.quantization import SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, scale_shape
+from jaxserve.model.quantization import (PERMUTATION_SUFFIX, SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat,
+                                         scale_shape)
 
 PACK_QUANTIZED = "pack-quantized"
 _WEIGHT = ".weight"
@@ -116,10 +117,12 @@ def _weights(weights: Mapping[str, Any]) -> tuple[int | None, bool]:
     return group_size, bool(weights.get("symmetric", True))
 
 
-def int4_targets(targets: Mapping[str, TensorTarget], quantization: Int4Quantization) -> dict[str, TensorTarget]:
-    """`targets` of the model's 4-bit layout with each projection's weight, scales and zero points read from the
-    checkpoint's packed tensors. UnsupportedModelError where the config leaves a decoder projection unquantized,
-    ConfigError where tensor parallelism would split a group."""
+def int4_targets(targets: Mapping[str, TensorTarget], quantization: Int4Quantization,
+                 orders: Mapping[str, Any] | None = None) -> dict[str, TensorTarget]:
+    """`targets` of the model's 4-bit layout with each projection's weight, scales and zero points (and an
+    act-order one's permutation) read from the checkpoint's packed tensors; `orders`: int4_awq_gptq.group_orders.
+    UnsupportedModelError where the config leaves a decoder projection unquantized, ConfigError where tensor
+    parallelism would split a group."""
     out = dict(targets)
     fmt = quantization.weight_format
     for name, target in targets.items():
@@ -134,9 +137,13 @@ def int4_targets(targets: Mapping[str, TensorTarget], quantization: Int4Quantiza
         if quantization.method == COMPRESSED_TENSORS:
             out[weight_name], out[name], zero = _packed_targets(weight, target, zero, fmt)
         else:
-            out[weight_name], out[name], zero = int4_awq_gptq.targets(weight, target, zero, fmt, quantization)
+            out[weight_name], out[name], zero = int4_awq_gptq.targets(weight, target, zero, fmt, quantization,
+                                                                      orders or {})
         if zero is not None:
             out[zero_name] = zero
+        if fmt.act_order:
+            out[weight_name + PERMUTATION_SUFFIX] = int4_awq_gptq.permutation_target(
+                weight, targets[weight_name + PERMUTATION_SUFFIX])
     return out
 
 

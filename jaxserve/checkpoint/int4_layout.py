@@ -39,17 +39,18 @@ class Int4Quantization:
     symmetric: bool  # no zero points: weight = (q - 8) * scale
     unquantized_reason: UnquantizedReason  # which modules the config leaves unquantized, and why
     kv_cache_scales: bool = False  # 4-bit checkpoints with KV-cache scales are refused
+    act_order: bool = False  # some projection's groups are not consecutive features (GPTQ desc_act): sorted at load
 
     @property
     def weight_format(self) -> WeightFormat:
-        return int4_format(self.group_size, zero_points=not self.symmetric)
+        return int4_format(self.group_size, zero_points=not self.symmetric, act_order=self.act_order)
 
     @property
     def name(self) -> str:
         """What runs, for the start-up line: "int4 (gptq v2 W4A16, group 128, asymmetric, zero points)"."""
         scales = "per-channel" if self.group_size is None else f"group {self.group_size}"
         kind = "symmetric" if self.symmetric else "asymmetric, zero points"
-        return f"int4 ({self.method} {self.variant} W4A16, {scales}, {kind})"
+        return f"int4 ({self.method} {self.variant} W4A16, {scales}, {kind}{', act-order' if self.act_order else ''})"
 
 
 def unpack_int4(words: np.ndarray, count: int, axis: int, order: tuple[int, ...] = SEQUENTIAL_ORDER) -> np.ndarray:

@@ -41,7 +41,7 @@ from jaxserve.checkpoint.orbax_io import plan_orbax_restore, save_orbax
 from jaxserve.checkpoint.param_tree import (AbstractParams, TensorTarget, abstract_params, checkpoint_tensors,
                                             fill_params, flat_arrays, tensor_targets, unchanged_targets)
 from jaxserve.checkpoint.quantize import online_quantization_name, quantized_arrays
-from jaxserve.checkpoint.int4_awq_gptq import check_groups_in_order
+from jaxserve.checkpoint.int4_awq_gptq import group_orders
 from jaxserve.checkpoint.int4_checkpoint import int4_quantization, int4_targets, is_int4_checkpoint
 from jaxserve.checkpoint.int4_checkpoint import unread_tensors as int4_unread_tensors
 from jaxserve.checkpoint.int4_layout import Int4Quantization
@@ -201,14 +201,19 @@ def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, mo
         raise ModelLoadError(f"{orbax_dir(model_dir)} holds an Orbax checkpoint but config.json describes a "
                              f"pre-quantized one ({quantization.name}); jaxserve reads pre-quantized weights from "
                              f"safetensors only")
+    orders = {}
+    if isinstance(quantization, Int4Quantization):
+        dense = abstract_params(layout.checkpoint_config, dtype, lambda *_: None)
+        orders = group_orders(model_dir, _dense_weight_targets(dense), quantization)
+        quantization = dataclasses.replace(quantization, act_order=any(o is not None for o in orders.values()))
     fmt = quantization.weight_format
     placed = abstract_params(layout.model_config, dtype, layout.param_sharding, fmt)
     stored = abstract_params(layout.checkpoint_config, dtype, layout.param_sharding, fmt)
     targets = tensor_targets(stored, placed, layout.stored_rows)
     if isinstance(quantization, Int4Quantization):
-        weights = _unpacked_weight_targets(targets, abstract_params(layout.checkpoint_config, dtype, lambda *_: None))
-        check_groups_in_order(model_dir, weights, quantization)
-        targets, unread = int4_targets({**targets, **weights}, quantization), int4_unread_tensors(quantization)
+        weights = _unpacked_weight_targets(targets, dense)
+        targets = int4_targets({**targets, **weights}, quantization, orders)
+        unread = int4_unread_tensors(quantization)
     else:
         targets, unread = quantized_targets(targets, quantization), unread_tensors(quantization)
     read_arrays = plan_safetensors_load(model_dir, targets, unread=unread)
@@ -216,6 +221,12 @@ def _plan_quantized_checkpoint(layout: TensorParallelLayout, dtype: np.dtype, mo
     return ModelPlan(layout.model_config, placed.graphdef, fill_params(placed, placed.specs), dtype, model_dir,
                      "safetensors", layout.mesh, lambda progress: fill_params(placed, read_arrays(progress)),
                      quantization.name, scales, layout.checkpoint_config)
+
+
+def _dense_weight_targets(dense: AbstractParams) -> dict[str, TensorTarget]:
+    """The decoder projections' weight targets of an unquantized layout (sources `<module>.weight`, shape (N, K))."""
+    return {name: target for name, target in unchanged_targets(dense.specs).items()
+            if name.startswith("model.layers.") and name.endswith("_proj.weight")}
 
 
 def _unpacked_weight_targets(targets: dict[str, TensorTarget], dense: AbstractParams) -> dict[str, TensorTarget]:

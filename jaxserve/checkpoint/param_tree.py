@@ -48,6 +48,9 @@ class TensorTarget:
     # pre-quantized checkpoint's scales: f32[1] per tensor or f32[out, 1] become f32[out]); None: sources are read
     # shard by shard as they are. Only for small tensors, since each is read whole.
     convert: Callable[[np.ndarray], np.ndarray] | None = None
+    # One transform per source where they differ (an act-order weight's columns, each layer its own permutation);
+    # replaces `convert`
+    source_converts: tuple[Callable[[np.ndarray], np.ndarray], ...] | None = None
     # The dtype each source must be stored in where it is not a float: a 4-bit checkpoint's int32 words, which
     # `convert` unpacks; None: a float tensor, cast to the placed dtype
     stored_dtype: np.dtype | None = None

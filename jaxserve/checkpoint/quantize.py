@@ -8,9 +8,10 @@ import functools
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 
-from jaxserve.model.quantization import (PACKED_INT4, SCALE_SUFFIX, ZERO_POINT_SUFFIX, WeightFormat, dequantize,
-                                         quantize, unpack_int4, weight_format)
+from jaxserve.model.quantization import (PACKED_INT4, PERMUTATION_SUFFIX, SCALE_SUFFIX, ZERO_POINT_SUFFIX,
+                                         WeightFormat, dequantize, quantize, unpack_int4, weight_format)
 
 
 def quantized_arrays(arrays: Mapping[str, jax.Array], specs: Mapping[str, jax.ShapeDtypeStruct],
@@ -55,7 +56,12 @@ def dequantized_arrays(arrays: Mapping[str, jax.Array], dtype, block: tuple[int,
     def rebuilt(name: str, array: jax.Array) -> jax.Array:
         if array.dtype == PACKED_INT4:
             array = unpack_int4(array, in_features[name])
-        return dequantize(array, arrays[name + SCALE_SUFFIX], dtype, block, arrays.get(name + ZERO_POINT_SUFFIX))
+        weight = dequantize(array, arrays[name + SCALE_SUFFIX], dtype, block, arrays.get(name + ZERO_POINT_SUFFIX))
+        if name + PERMUTATION_SUFFIX not in arrays:
+            return weight
+        # An act-order weight's columns are sorted by group: column j holds input feature perm[j]
+        restore = jnp.argsort(arrays[name + PERMUTATION_SUFFIX], axis=-1)  # i32[..., in]
+        return jnp.take_along_axis(weight, restore[..., None, :], axis=-1)
 
     return {name: rebuilt(name, array) if name + SCALE_SUFFIX in arrays else array for name, array in arrays.items()
-            if not name.endswith((SCALE_SUFFIX, ZERO_POINT_SUFFIX))}
+            if not name.endswith((SCALE_SUFFIX, ZERO_POINT_SUFFIX, PERMUTATION_SUFFIX))}

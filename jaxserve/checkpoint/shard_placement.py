@@ -27,7 +27,9 @@ def place_tensor(sources: Sequence[Any], target: TensorTarget) -> jax.Array:
     first and transforms it (small tensors only: scales).
     """
     placed = target.placed
-    if target.convert is not None:
+    if target.source_converts is not None:
+        sources = [convert(np.asarray(source[:])) for convert, source in zip(target.source_converts, sources)]
+    elif target.convert is not None:
         sources = [target.convert(np.asarray(source[:])) for source in sources]
     shards: dict[tuple[slice, ...], np.ndarray] = {}  # index -> its host shard, cast (slices hash from Python 3.12)
 

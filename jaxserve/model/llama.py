@@ -67,6 +67,10 @@ class QuantizedLinear(nnx.Module):
         # int8[..., scale's shape]: an asymmetric 4-bit checkpoint's zero points (weight ≈ (q - zero) * scale)
         self.weight_zero_point = (nnx.Param(jnp.zeros(self.weight_scale.get_value().shape, jnp.int8))
                                   if fmt.zero_points else None)
+        # i32[..., in]: the input feature each stored column holds, where an act-order checkpoint's columns are sorted
+        # by group (x is gathered by it before the matmul); None: in order
+        self.weight_perm = (nnx.Param(jnp.broadcast_to(jnp.arange(in_features, dtype=jnp.int32), (*stack, in_features)))
+                            if fmt.act_order else None)
         self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
         self.block = fmt.block  # (rows, columns) one scale covers; None: per output channel
         self.format = fmt  # static: how the weights are stored and whether many-token steps quantize activations
@@ -77,7 +81,12 @@ class QuantizedLinear(nnx.Module):
         q = self.weight[...] if layer is None else self.weight[...][layer]
         return unpack_int4(q, self.in_features) if self.format.packs_int4 else q
 
+    def _permuted(self, x: jax.Array) -> jax.Array:
+        """x f[..., in] in the stored columns' order (an act-order checkpoint's), or as it is."""
+        return x if self.weight_perm is None else jnp.take(x, self.weight_perm[...], axis=-1)
+
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = self._permuted(x)
         q, scale = self._weight(), self.weight_scale[...]
         if quantizes_activations(self.format, x.size // x.shape[-1]):
             input_scale = None if self.input_scale is None else self.input_scale[...]
@@ -96,6 +105,7 @@ class QuantizedLinear(nnx.Module):
         """The same product where weight and weight_scale hold every layer (q[L, out, in], f32[L, ...]) and `layer`
         (i32[]) says which: weights a kernel tiles (8-bit per channel: quantized_matmul; packed 4-bit:
         int4_matmul) are read in place by it; others are sliced, as the scan would have."""
+        x = self._permuted(x)  # the permutation is scanned: this layer's
         q, scale = self.weight[...], self.weight_scale[...]
         out_features, in_features = q.shape[-2], self.in_features
         interpret = stacked_gemm == PALLAS_INTERPRET_GEMM

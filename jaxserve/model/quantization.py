@@ -69,6 +69,9 @@ class WeightFormat:
     # Each scale has a zero point beside it (`weight_zero_point`, int8 of the scale's shape): weight ≈ (q - zero) *
     # scale, as asymmetric 4-bit checkpoints store them
     zero_points: bool = False
+    # Each projection's input features are stored permuted so that its groups are contiguous (an act-order GPTQ
+    # checkpoint's g_idx, sorted): `weight_perm` i32[in] gathers the activations into the same order first
+    act_order: bool = False
 
     @property
     def quantizes_activations(self) -> bool:
@@ -109,12 +112,12 @@ PACK_COLUMNS = 64  # input features per packed block: byte j holds feature j and
 _INT4_OFFSET = 8  # a nibble holds its signed value + 8
 
 
-def int4_format(group_size: int | None, zero_points: bool) -> WeightFormat:
+def int4_format(group_size: int | None, zero_points: bool, act_order: bool = False) -> WeightFormat:
     """A 4-bit checkpoint's format: signed 4-bit weights packed two a byte, with a scale per `group_size`
-    consecutive input features of each output channel (None: one per channel), and zero points where the checkpoint
-    is asymmetric."""
+    consecutive input features of each output channel (None: one per channel), zero points where the checkpoint is
+    asymmetric, and the input features permuted where it was quantized in activation order."""
     return WeightFormat("int4", PACKED_INT4, 7.0, rounds=True, block=None if group_size is None else (1, group_size),
-                        zero_points=zero_points)
+                        zero_points=zero_points, act_order=act_order)
 
 
 def packed_width(in_features: int) -> int:
@@ -145,6 +148,7 @@ def unpack_int4(packed: jax.Array, in_features: int) -> jax.Array:  # i8[..., in
 QUANTIZED_DTYPES = (*(fmt.dtype for fmt in WEIGHT_FORMATS.values()), PACKED_INT4)
 SCALE_SUFFIX = "_scale"  # `...q_proj.weight_scale` beside `...q_proj.weight`
 ZERO_POINT_SUFFIX = "_zero_point"  # `...q_proj.weight_zero_point` beside `...q_proj.weight_scale`
+PERMUTATION_SUFFIX = "_perm"  # `...q_proj.weight_perm`: an act-order weight's input permutation
 
 
 def weight_format(quantization: str | WeightFormat) -> WeightFormat:

@@ -61,6 +61,7 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"^lm_head\.weight$", COLUMN_PARALLEL),  # f[vocab, hidden] split over the vocabulary
     (r"norm\.weight$", REPLICATED),
     (r"\.input_scale$", REPLICATED),  # a static W8A8 checkpoint's activation scale f32[1] per projection
+    (r"\.weight_perm$", REPLICATED),  # an act-order 4-bit checkpoint's input permutation i32[in] per projection
 )
 # f[kv_heads, num_layers, num_pages, page_size, head_dim]: whole KV heads per device.
 KV_POOL_SPEC = P(TP_AXIS, None, None, None, None)
@@ -80,9 +81,10 @@ def param_partition_spec(name: str, ndim: int = 1) -> P:
     a name no rule covers.
 
     A quantized weight shards like the weight it stands for, and its scale (and zero point) like that weight over
-    the axes the scale has: `ndim` (the scale's rank without the layer axis) tells a per-output-channel scale f32[out] (1), which
-    splits with the output features (column-parallel) or stays whole (row-parallel: each device has every output
-    feature), from a block scale f32[out blocks, in blocks] (2), split on the blocks of the axis the weight splits.
+    the axes the scale has: `ndim` (the scale's rank without the layer axis) tells a per-output-channel scale
+    f32[out] (1), which splits with the output features (column-parallel) or stays whole (row-parallel: each device
+    has every output feature), from a block scale f32[out blocks, in blocks] (2), split on the blocks of the axis
+    the weight splits.
     """
     for suffix in _OF_WEIGHT:
         if name.endswith(suffix):

@@ -28,6 +28,8 @@ class EngineSetup:
     overrides: dict  # settings beside the preset (the command line's flags)
     programs: tuple[str, ...]  # program names (gpu_programs.build.program_name)
     target: str = "h100"  # the GPU compiled for (configs/gpu-targets)
+    # config.json's quantization_config of a pre-quantized checkpoint of the model (its format decides the weights')
+    quantization_config: dict | None = None
 
 
 # The 8B H100 preset: decode at the row counts where XLA's choices change (GEMV, merged q/k/v, GEMM), mixed steps
@@ -48,10 +50,15 @@ LLAMA_8B_FP8_PALLAS = EngineSetup("8b-h100-fp8-pallas", "configs/llama-3.1-8b-h1
 # W8A8: the same fp8 prefill step compiled for an H200.
 LLAMA_8B_FP8_H200 = EngineSetup("8b-h200-fp8", "configs/llama-3.1-8b-h100.yaml", {"quantization": "fp8"},
                                 ("mixed T=2048 S=64",), target="h200")
+# A 4-bit GPTQ checkpoint (group 128, symmetric): every step through the Pallas W4A16 kernel.
+LLAMA_8B_INT4 = EngineSetup("8b-h100-int4", "configs/llama-3.1-8b-h100.yaml", {},
+                            ("decode S=1", "decode S=64", "mixed T=2048 S=64"),
+                            quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+                                                 "desc_act": False})
 LLAMA_70B = EngineSetup("70b-8xh100", "configs/llama-3.1-70b-8xh100.yaml", {},
                         ("decode S=1", "decode S=64", "mixed T=8192 S=64"))
 ENGINE_SETUPS = (LLAMA_8B, LLAMA_8B_INT8, LLAMA_8B_FP8, LLAMA_8B_INT8_PALLAS, LLAMA_8B_FP8_PALLAS, LLAMA_8B_FP8_H200,
-                 LLAMA_70B)
+                 LLAMA_8B_INT4, LLAMA_70B)
 
 
 def engine_key(setup: EngineSetup, program: str) -> str:
@@ -84,6 +91,8 @@ def _audit_engine(setup: EngineSetup, results: dict) -> None:
 
     preset = REPO / setup.preset
     name, hf_config = model_shape(None, preset)
+    if setup.quantization_config is not None:
+        hf_config = {**hf_config, "quantization_config": setup.quantization_config}
     engine = build_engine(name, hf_config, load_config(preset, setup.overrides), load_target(setup.target))
     programs = [p for p in engine_programs(engine) if program_name(p) in setup.programs]
     missing = set(setup.programs) - {program_name(p) for p in programs}

@@ -148,7 +148,7 @@ def plan_model(model_dir: Path | None, dtype: str = "auto", tensor_parallel_size
     check_model_dir(model_dir)
     raw_config = read_config_json(model_dir / CONFIG_FILE)
     cfg = LlamaConfig.from_hf_dict(raw_config)
-    stored_quantization = _stored_quantization(_quantization_config(raw_config, model_dir))
+    stored_quantization = quantization_scheme(_quantization_config(raw_config, model_dir))
     check_requested(stored_quantization, quantization)
     layout = plan_tensor_parallel(cfg, tensor_parallel_size)
     target_dtype = resolve_dtype(dtype, cfg.checkpoint_dtype, jax.default_backend())
@@ -188,8 +188,9 @@ def _quantization_config(raw_config: dict, model_dir: Path):
     return {"quant_method": "gptq", **read_config_json(path)} if path.is_file() else None
 
 
-def _stored_quantization(config) -> CheckpointQuantization | Int4Quantization | None:
-    """The scheme of a quantization_config: 4-bit (AWQ, GPTQ, pack-quantized) or FP8; None: unquantized."""
+def quantization_scheme(config) -> CheckpointQuantization | Int4Quantization | None:
+    """The scheme of a quantization_config: 4-bit (AWQ, GPTQ, pack-quantized) or FP8; None: unquantized.
+    UnsupportedModelError naming what jaxserve does not run."""
     return int4_quantization(config) if is_int4_checkpoint(config) else checkpoint_quantization(config)
 
 
@@ -254,7 +255,7 @@ def convert_hf_to_orbax(hf_dir: Path, out_dir: Path, progress: bool = True) -> N
     if orbax_dir(out_dir).exists():
         raise ModelLoadError(f"{orbax_dir(out_dir)} already exists; remove it or convert into another folder")
     raw_config = read_config_json(hf_dir / CONFIG_FILE)
-    stored_quantization = _stored_quantization(_quantization_config(raw_config, hf_dir))
+    stored_quantization = quantization_scheme(_quantization_config(raw_config, hf_dir))
     if stored_quantization is not None:
         raise ModelLoadError(f"{hf_dir} holds a pre-quantized checkpoint ({stored_quantization.name}), which "
                              f"conversion does not keep; load the folder as it is: its quantized safetensors load "

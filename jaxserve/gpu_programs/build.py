@@ -19,7 +19,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxserve.checkpoint.int4_layout import Int4Quantization
+from jaxserve.checkpoint.loading import quantization_scheme
 from jaxserve.checkpoint.param_tree import abstract_params, fill_params
+from jaxserve.checkpoint.quantized_checkpoint import check_requested
 from jaxserve.config import EngineConfig
 from jaxserve.engine.kv_sizing import resolve_num_pages
 from jaxserve.engine.startup import check_speculation
@@ -32,6 +35,7 @@ from jaxserve.model.config import LlamaConfig
 from jaxserve.model.dtypes import resolve_dtype
 from jaxserve.model.kv_quantization import kv_pool_dtype
 from jaxserve.model.param_names import is_stacked
+from jaxserve.model.quantization import WeightFormat
 from jaxserve.parallel import plan_tensor_parallel
 from jaxserve.runner.buckets import StepBucket
 from jaxserve.runner.model_runner import ModelRunner
@@ -93,7 +97,8 @@ def build_engine(model_name: str, hf_config: dict, config: EngineConfig, target:
     devices = _devices(target, config.tensor_parallel_size, on_device)
     layout = plan_tensor_parallel(stored, config.tensor_parallel_size, devices)
     dtype = resolve_dtype(config.dtype, stored.checkpoint_dtype, platform)
-    placed = abstract_params(layout.model_config, dtype, layout.param_sharding, config.quantization)
+    placed = abstract_params(layout.model_config, dtype, layout.param_sharding,
+                             weight_format(hf_config, config.quantization))
     params = fill_params(placed, placed.specs)
     runner = ModelRunner(layout.model_config, placed.graphdef, params, dtype, config, layout.mesh, compile_only=True)
     memory_sized = target is not None and config.num_kv_pages is None and config.kv_cache_memory_gb is None
@@ -102,6 +107,18 @@ def build_engine(model_name: str, hf_config: dict, config: EngineConfig, target:
                                           workspace, STORED_POOL_MARGIN_SHARE if for_store else 0.0))
     return AbstractEngine(runner, model_name, layout.model_config, config, target, dtype,
                           min(context_tokens, config.require("max_model_len")), workspace)
+
+
+def weight_format(hf_config: dict, requested: str | None) -> WeightFormat | str | None:
+    """The projections' format: a pre-quantized checkpoint's quantization_config (a GPTQ one with desc_act taken
+    as act-order, since its g_idx is not read here), else --quantization's."""
+    scheme = quantization_scheme(hf_config.get("quantization_config"))
+    check_requested(scheme, requested)
+    if scheme is None:
+        return requested
+    if isinstance(scheme, Int4Quantization) and hf_config["quantization_config"].get("desc_act"):
+        scheme = dataclasses.replace(scheme, act_order=True)
+    return scheme.weight_format
 
 
 def _devices(target: GpuTarget | None, count: int, on_device: bool) -> list:

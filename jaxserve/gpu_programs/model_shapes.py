@@ -46,14 +46,10 @@ MODEL_SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "tin
 
 def model_shape(name: str | None, preset: Path | None, model_dir: str | None = None) -> tuple[str, dict]:
     """(name, config.json contents) of the shapes `name` gives, else of the model folder's config.json (its weights
-    are never read), else of the model the preset's name begins with; ConfigError naming the choices when none
-    says."""
+    are never read; a pre-quantized checkpoint's quantization_config decides the weights' format), else of the model
+    the preset's name begins with; ConfigError naming the choices when none says."""
     if name is None and model_dir is not None:
-        config = read_config_json(Path(model_dir) / "config.json")
-        if config.get("quantization_config") is not None:
-            raise ConfigError(f"{model_dir} holds a pre-quantized checkpoint, whose programs the audit does not build "
-                              f"yet; pass --quantization int8 or fp8 to build the quantized weight paths")
-        return Path(model_dir).name, config
+        return Path(model_dir).name, read_config_json(Path(model_dir) / "config.json")
     if name is None and preset is not None:
         name = next((shape for shape in MODEL_SHAPES if Path(preset).stem.startswith(shape)), None)
     if name not in MODEL_SHAPES:

@@ -24,13 +24,9 @@ from flax import nnx
 from jaxserve.model.config import LlamaConfig
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.lora import LayerLora, LoraStack
-from jaxserve.model.quantization import (PALLAS_INTERPRET_GEMM, STATIC_ACTIVATIONS, XLA_GEMM, WeightFormat,
-                                         is_stacked_quantized_weight, packed_width, quantizes_activations,
-                                         reads_in_place, scale_shape, scaled_matmul, unpack_int4, w8a8_matmul,
-                                         weight_format)
+from jaxserve.model.quantization import XLA_GEMM, WeightFormat, is_stacked_quantized_weight, reads_in_place
+from jaxserve.model.quantized_linear import QUANTIZED_LINEARS, quantized_linear
 from jaxserve.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
-from kernels_pallas.int4_matmul import int4_fits, int4_matmul
-from kernels_pallas.quantized_matmul import fits, quantized_matmul
 
 # The window of a full-attention layer in a model whose other layers slide: wider than any context, masking nothing.
 FULL_ATTENTION_WINDOW = 1 << 30
@@ -50,84 +46,11 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-class QuantizedLinear(nnx.Module):
-    """y = x @ (weight * weight_scale).T (+ bias): weight q[out, in] in the quantization's dtype, weight_scale
-    f32[out] per output channel or f32[out blocks, in blocks] per block (model/quantization.py); the loader fills
-    both, from the unquantized weight or from a pre-quantized checkpoint. A W8A8 format quantizes x too in steps of
-    many tokens, per token or by a static `input_scale` f32[1] the checkpoint calibrated."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, quantization: str | WeightFormat,
-                 stack: tuple[int, ...] = (), **_unused_init):
-        fmt = weight_format(quantization)
-        stored_in = packed_width(in_features) if fmt.packs_int4 else in_features
-        self.weight = nnx.Param(jnp.zeros((*stack, out_features, stored_in), fmt.dtype))
-        self.weight_scale = nnx.Param(jnp.ones((*stack, *scale_shape(fmt, out_features, in_features)), jnp.float32))
-        self.input_scale = (nnx.Param(jnp.ones((*stack, 1), jnp.float32)) if fmt.activations == STATIC_ACTIVATIONS
-                            else None)
-        # int8[..., scale's shape]: an asymmetric 4-bit checkpoint's zero points (weight ≈ (q - zero) * scale)
-        self.weight_zero_point = (nnx.Param(jnp.zeros(self.weight_scale.get_value().shape, jnp.int8))
-                                  if fmt.zero_points else None)
-        # i32[..., in]: the input feature each stored column holds, where an act-order checkpoint's columns are sorted
-        # by group (x is gathered by it before the matmul); None: in order
-        self.weight_perm = (nnx.Param(jnp.broadcast_to(jnp.arange(in_features, dtype=jnp.int32), (*stack, in_features)))
-                            if fmt.act_order else None)
-        self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
-        self.block = fmt.block  # (rows, columns) one scale covers; None: per output channel
-        self.format = fmt  # static: how the weights are stored and whether many-token steps quantize activations
-        self.in_features = in_features  # static: a packed 4-bit weight's columns, padding aside
-
-    def _weight(self, layer: jax.Array | None = None) -> jax.Array:
-        """The stored weight (one layer's, given `layer`), a packed 4-bit one unpacked to int8 values."""
-        q = self.weight[...] if layer is None else self.weight[...][layer]
-        return unpack_int4(q, self.in_features) if self.format.packs_int4 else q
-
-    def _permuted(self, x: jax.Array) -> jax.Array:
-        """x f[..., in] in the stored columns' order (an act-order checkpoint's), or as it is."""
-        return x if self.weight_perm is None else jnp.take(x, self.weight_perm[...], axis=-1)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = self._permuted(x)
-        q, scale = self._weight(), self.weight_scale[...]
-        if quantizes_activations(self.format, x.size // x.shape[-1]):
-            input_scale = None if self.input_scale is None else self.input_scale[...]
-            y = w8a8_matmul(x, q, scale, self.format, input_scale)
-        else:
-            y = scaled_matmul(x, q, scale, self.block, self._zero_point())
-        return y if self.bias is None else y + self.bias[...]
-
-    def _zero_point(self, layer: jax.Array | None = None) -> jax.Array | None:
-        if self.weight_zero_point is None:
-            return None
-        zero_point = self.weight_zero_point[...]
-        return zero_point if layer is None else zero_point[layer]
-
-    def from_stack(self, x: jax.Array, layer: jax.Array, stacked_gemm: str) -> jax.Array:
-        """The same product where weight and weight_scale hold every layer (q[L, out, in], f32[L, ...]) and `layer`
-        (i32[]) says which: weights a kernel tiles (8-bit per channel: quantized_matmul; packed 4-bit:
-        int4_matmul) are read in place by it; others are sliced, as the scan would have."""
-        x = self._permuted(x)  # the permutation is scanned: this layer's
-        q, scale = self.weight[...], self.weight_scale[...]
-        out_features, in_features = q.shape[-2], self.in_features
-        interpret = stacked_gemm == PALLAS_INTERPRET_GEMM
-        group_size = None if self.block is None else self.block[1]
-        rows = x.reshape(-1, in_features)  # f[B * T, in]
-        if self.format.packs_int4 and int4_fits(out_features, group_size):
-            zero = None if self.weight_zero_point is None else self.weight_zero_point[...]
-            y = int4_matmul(rows, q, scale, zero, layer, group_size=group_size, interpret=interpret)
-        elif self.format.kernel_reads_stacks and fits(in_features, out_features):
-            y = quantized_matmul(rows, q, scale, layer, interpret=interpret)
-        else:
-            y = scaled_matmul(x, self._weight(layer), scale[layer], self.block, self._zero_point(layer))
-            return y if self.bias is None else y + self.bias[...]
-        y = y.reshape(*x.shape[:-1], out_features)
-        return y if self.bias is None else y + self.bias[...]
-
-
 def _adapted(projection: nnx.Module, name: str, x: jax.Array, lora: LayerLora | None, layer: jax.Array,
              stacked_gemm: str = XLA_GEMM) -> jax.Array:
     """The projection's output plus, with adapters, each token's own adapter delta. Under `stacked_gemm` other than
     xla, a quantized projection holds every layer's weight and reads layer `layer`'s."""
-    if stacked_gemm != XLA_GEMM and isinstance(projection, QuantizedLinear):
+    if stacked_gemm != XLA_GEMM and isinstance(projection, QUANTIZED_LINEARS):
         y = projection.from_stack(x, layer, stacked_gemm)
     else:
         y = projection(x)
@@ -135,10 +58,10 @@ def _adapted(projection: nnx.Module, name: str, x: jax.Array, lora: LayerLora | 
 
 
 def _projection(quantization: str | WeightFormat | None, in_features: int, out_features: int, **kwargs) -> nnx.Module:
-    """A decoder projection: Linear, or QuantizedLinear when the weights are quantized."""
+    """A decoder projection: Linear, or a quantized one (model/quantized_linear.py) when the weights are quantized."""
     if quantization is None:
         return Linear(in_features, out_features, **kwargs)
-    return QuantizedLinear(in_features, out_features, quantization=quantization, **kwargs)
+    return quantized_linear(in_features, out_features, quantization=quantization, **kwargs)
 
 
 class RMSNorm(nnx.Module):
@@ -289,7 +212,7 @@ class LlamaModel(nnx.Module):
 
     def _projection_format(self) -> WeightFormat | None:
         projection = self.layers.self_attn.q_proj
-        return projection.format if isinstance(projection, QuantizedLinear) else None
+        return projection.format if isinstance(projection, QUANTIZED_LINEARS) else None
 
     def _windows(self) -> jax.Array | None:
         """i32[num_layers]: each layer's sliding window, FULL_ATTENTION_WINDOW where the layer has none; None when no
@@ -334,4 +257,4 @@ class LlamaForCausalLM(nnx.Module):
 def projection_format(model: LlamaForCausalLM) -> WeightFormat | None:
     """The quantized format of the decoder's projections (all alike), or None where they are not quantized."""
     projection = model.model.layers.self_attn.q_proj
-    return projection.format if isinstance(projection, QuantizedLinear) else None
+    return projection.format if isinstance(projection, QUANTIZED_LINEARS) else None

@@ -186,3 +186,41 @@ def save_gptq(model, folder: Path, group_size: int | None = 32, symmetric: bool 
 def edit_config_file(folder: Path, **fields) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **fields}, indent=2))
+
+
+def save_compressed_tensors_act_order(model, folder: Path, group_size: int = 32):
+    """A pack-quantized W4A16_ASYM checkpoint with `actorder: group`, as llm-compressor's GPTQ wrote them before
+    compressed-tensors dropped the option: each group a random set of group_size input features, `weight_g_idx`
+    naming each feature's group, the weights packed in their original order. Written by compressed-tensors, then its
+    tensors and config replaced here (its current version refuses actorder group). Returns the HF model with the
+    weights the checkpoint stands for (the oracle)."""
+    import torch
+
+    from tests.fp8_checkpoints import edit_tensors
+
+    dequantized = copy.deepcopy(model)
+    save_compressed_tensors_w4a16(model, folder, group_size=group_size, symmetric=False)
+    originals = dict(model.named_parameters())
+    weights = {}
+    rng = np.random.default_rng(0)
+
+    def quantize(tensors):
+        for module in {name.removesuffix(".weight_packed") for name in tensors if name.endswith(".weight_packed")}:
+            weight = originals[module + ".weight"].detach().float().numpy()
+            g_idx = _in_order(weight.shape[1], group_size)[rng.permutation(weight.shape[1])]
+            q, zero, scale = _quantize_groups(weight, g_idx, symmetric=False, clamp_to_zero=False)
+            weights[module] = (q.astype(np.float32) - zero[:, g_idx]) * scale.astype(np.float32)[:, g_idx]
+            tensors[module + ".weight_packed"] = torch.from_numpy(_pack(q, 1))  # CT keeps value + 8: q itself
+            tensors[module + ".weight_zero_point"] = torch.from_numpy(_pack(zero, 0))
+            tensors[module + ".weight_scale"] = torch.from_numpy(scale.astype(np.float32))
+            tensors[module + ".weight_g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
+
+    edit_tensors(folder, quantize)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    with torch.no_grad():
+        for name, module in dequantized.named_modules():
+            if name in weights:
+                module.weight.copy_(torch.from_numpy(weights[name]))
+    return dequantized.eval()

@@ -232,7 +232,8 @@ def _cut(name):
 REFUSED_CONFIGS = {
     "8-bit weights": (dict(num_bits=8), UnsupportedModelError, r"type 'int' with num_bits 8 are not supported"),
     "float weights": (dict(type="float"), UnsupportedModelError, r"type 'float' with num_bits 4 are not supported"),
-    "act-order groups": (dict(actorder="group"), UnsupportedModelError, r"actorder 'group' \(a weight_g_idx"),
+    "act-order without g_idx": (dict(actorder="group"), ModelLoadError,
+                                r"lacks tensor model\.layers\.0\.mlp\.down_proj\.weight_g_idx"),
     "tensor strategy": (dict(strategy="tensor"), UnsupportedModelError, r"weight strategy 'tensor' is not supported"),
     "no group size": (dict(group_size=None), UnsupportedModelError, r"group_size must be a positive integer"),
 }
@@ -282,6 +283,23 @@ def test_an_integer_tensor_in_an_unquantized_checkpoint_is_refused(checkpoints, 
     edit_tensors(folder, lambda tensors: tensors.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}))
     with pytest.raises(UnsupportedModelError, match=r"model\.norm\.weight .* has dtype int32; jaxserve loads float"):
         plan_model(folder, "float32")
+
+
+@pytest.mark.parity
+def test_compressed_tensors_act_order_groups_load_with_their_permutation(checkpoints, tmp_path):
+    """actorder "group": each weight's columns sorted by its weight_g_idx as it loads, the activations gathered the
+    same way; the logits equal transformers on the weights the checkpoint's integers stand for."""
+    from tests.fp8_checkpoints import vary_block_magnitudes
+    from tests.hf_models import build_tiny_hf_llama
+    from tests.int4_checkpoints import save_compressed_tensors_act_order
+
+    oracle = save_compressed_tensors_act_order(
+        vary_block_magnitudes(build_tiny_hf_llama("llama31", vocab_size=512)), tmp_path, group_size=32)
+    loaded = load_model(tmp_path, "float32", progress=False)
+    assert loaded.quantization == ("int4 (compressed-tensors pack-quantized W4A16, group 32, asymmetric, zero points, "
+                                   "act-order)")
+    tokens = random_tokens(loaded.config.vocab_size, 24)
+    np.testing.assert_allclose(jaxserve_logits(loaded, tokens), hf_logits(oracle, tokens), atol=TOLERANCE, rtol=0)
 
 
 # AWQ and GPTQ (jaxserve/checkpoint/int4_awq_gptq.py)

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jaxserve.checkpoint.int4_layout import (AWQ_ORDER, INT32, PER_WORD, Int4Quantization, packed, signed,
-                                             unpack_int4)
+                                             sorted_columns, unpack_int4)
 from jaxserve.checkpoint.param_tree import TensorTarget, UnreadTensors
-from jaxserve.checkpoint.safetensors_loader import read_small_tensors
-from jaxserve.errors import ModelLoadError, UnsupportedModelError
+from jaxserve.errors import UnsupportedModelError
 from jaxserve.model.quantization import WeightFormat, scale_shape
 
 AWQ, GPTQ = "awq", "gptq"
@@ -90,7 +88,7 @@ def _gptq(config: Mapping[str, Any], group_size: int | None) -> Int4Quantization
     listed = config.get("modules_in_block_to_quantize")
     names = tuple(name for names in listed or () for name in names)
     return Int4Quantization(method=GPTQ, variant=_GPTQ_FORMATS[stored_format], group_size=group_size,
-                            symmetric=bool(config.get("sym", True)),
+                            symmetric=bool(config.get("sym", True)), g_idx_suffix=_G_IDX,
                             unquantized_reason=lambda module: None if listed is None or any(
                                 module.endswith("." + name) for name in names)
                             else "quantization_config.modules_in_block_to_quantize leaves it out")
@@ -116,7 +114,8 @@ def targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None
                                  stored_dtype=INT32, convert=convert)
     if any(orders.get(source) is not None for source in weight.sources):
         weights = dataclasses.replace(weights, convert=None, source_converts=tuple(
-            _sorted_gptq_weight(in_features, orders[source]) for source in weight.sources))
+            sorted_columns(lambda words: signed(unpack_int4(words, in_features, 0)).T, orders[source])
+            for source in weight.sources))
     scales = dataclasses.replace(scale, sources=tuple(m + _SCALES for m in modules),
                                  stored_shape=(*groups, out_features), stored_rows=weight.stored_rows,
                                  convert=lambda values: np.reshape(values.T, placed_scale))
@@ -131,14 +130,6 @@ def targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None
     return weights, scales, zeros
 
 
-def _sorted_gptq_weight(in_features: int, order: np.ndarray | None):
-    """A GPTQ qweight's transform with its input features (columns) put in `order` (None: as stored)."""
-    def convert(words: np.ndarray) -> np.ndarray:
-        values = signed(unpack_int4(words, in_features, 0)).T  # i8[N, K]
-        return packed(values if order is None else values[:, order])
-    return convert
-
-
 def unpack_zero_points(words: np.ndarray, count: int, order: tuple[int, ...], v1: bool) -> np.ndarray:
     """u8[G, count] zero points of qzeros I32 [G, ceil(count/8)]; `v1`: GPTQ v1's words, each stored less
     0x11111111, which is added back to the whole word (a zero point of 0 was stored as 15, borrowing from the next)."""
@@ -148,52 +139,9 @@ def unpack_zero_points(words: np.ndarray, count: int, order: tuple[int, ...], v1
 
 
 def unread_tensors(quantization: Int4Quantization) -> UnreadTensors:
-    """GPTQ's g_idx where no weight_perm reads it (read apart: group_orders), and a symmetric checkpoint's zero
-    points."""
+    """GPTQ's g_idx where no weight_perm reads it (read apart: int4_layout.group_orders), and a symmetric
+    checkpoint's zero points."""
     if quantization.method != GPTQ:
         return UnreadTensors()
     return UnreadTensors(dropped_suffixes=(*(() if quantization.act_order else (_G_IDX,)),
                                            *((_QZEROS,) if quantization.symmetric else ())))
-
-
-def permutation_target(weight: TensorTarget, target: TensorTarget) -> TensorTarget:
-    """An act-order projection's `weight_perm` i32[L, K], read from its g_idx (sorted_g_idx)."""
-    modules = tuple(source.removesuffix(_WEIGHT) for source in weight.sources)
-    return dataclasses.replace(target, sources=tuple(m + _G_IDX for m in modules),
-                               stored_shape=(weight.stored_shape[1],), stored_dtype=INT32, convert=sorted_g_idx)
-
-
-def group_orders(model_dir: Path, weights: Mapping[str, TensorTarget],
-                 quantization: Int4Quantization) -> dict[str, np.ndarray | None]:
-    """Checkpoint weight name -> the permutation i32[K] that sorts its input features by group (a stable sort of its
-    GPTQ g_idx), or None where g_idx is k // group_size already; read at plan time. Act-order (desc_act) checkpoints
-    have permutations; each of their groups must hold group_size features. ModelLoadError for a missing or misshapen
-    g_idx, UnsupportedModelError for uneven groups. `weights` are the quantized projections' weight targets in the
-    model's layout (sources `<module>.weight`, stored shape (N, K)); {} for AWQ."""
-    if quantization.method != GPTQ:
-        return {}
-    expected = {source: target.stored_shape[1] for target in weights.values() for source in target.sources}
-    found = read_small_tensors(model_dir, [source.removesuffix(_WEIGHT) + _G_IDX for source in expected])
-    orders = {}
-    for source, in_features in expected.items():
-        name = source.removesuffix(_WEIGHT) + _G_IDX
-        if name not in found:
-            raise ModelLoadError(f"{model_dir} lacks tensor {name} (a GPTQ checkpoint stores each projection's g_idx)")
-        g_idx = found[name]
-        if g_idx.shape != (in_features,):
-            raise ModelLoadError(f"tensor {name} has shape {list(g_idx.shape)}; the config implies [{in_features}]")
-        in_order = np.arange(in_features) // (quantization.group_size or in_features)
-        if np.array_equal(g_idx, in_order):
-            orders[source] = None
-            continue
-        order = np.argsort(g_idx, kind="stable").astype(np.int32)
-        if not np.array_equal(g_idx[order], in_order):
-            raise UnsupportedModelError(f"{name} does not give every group {quantization.group_size} input features: "
-                                        f"jaxserve runs act-order checkpoints whose groups are all full")
-        orders[source] = order
-    return orders
-
-
-def sorted_g_idx(g_idx: np.ndarray) -> np.ndarray:
-    """i32[K]: the input feature each stored column holds once an act-order weight's columns are sorted by group."""
-    return np.argsort(np.asarray(g_idx), kind="stable").astype(np.int32)

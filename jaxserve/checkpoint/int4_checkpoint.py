@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxserve.checkpoint import int4_awq_gptq
 from jaxserve.checkpoint.int4_layout import (INT32, PER_WORD, Int4Quantization, check_whole_groups_per_device,
-                                             packed, signed, unpacked)
+                                             packed, permutation_target, signed, sorted_columns, unpacked)
 from jaxserve.checkpoint.param_tree import TensorTarget, UnreadTensors
 from jaxserve.checkpoint.quantized_checkpoint import COMPRESSED_TENSORS, check_quantized, ct_scheme, ct_unquantized
 from jaxserve.errors import UnsupportedModelError
@@ -38,6 +38,7 @@ from jaxserve.model.quantization import (PERMUTATION_SUFFIX, SCALE_SUFFIX, ZERO_
 PACK_QUANTIZED = "pack-quantized"
 _WEIGHT = ".weight"
 _PACKED, _SHAPE = "_packed", "_shape"  # `...weight_packed` and `...weight_shape` beside `...weight_scale`
+_G_IDX = ".weight_g_idx"  # each input feature's group, under actorder "group"
 _STRATEGIES = ("group", "channel")
 
 
@@ -87,8 +88,11 @@ def _pack_quantized(config: Mapping[str, Any]) -> Int4Quantization:
         raise UnsupportedModelError("compressed-tensors 4-bit checkpoints with a kv_cache_scheme are not supported")
     group_size, symmetric = _weights(weights)
     targets = tuple(target for group in groups.values() for target in group.get("targets") or ())
+    # actorder "group" stores each projection's weight_g_idx (its groups in activation order); "weight" and
+    # "static" reorder while quantizing but store plain groups
+    act_ordered = weights.get("actorder") == "group" and group_size is not None
     return Int4Quantization(method=COMPRESSED_TENSORS, variant=PACK_QUANTIZED, group_size=group_size,
-                            symmetric=symmetric,
+                            symmetric=symmetric, g_idx_suffix=_G_IDX if act_ordered else None,
                             unquantized_reason=functools.partial(ct_unquantized, targets,
                                                                  tuple(config.get("ignore") or ())))
 
@@ -105,9 +109,6 @@ def _weights(weights: Mapping[str, Any]) -> tuple[int | None, bool]:
                                     f"({', '.join(_STRATEGIES)})")
     if weights.get("dynamic", False):
         raise UnsupportedModelError("compressed-tensors 4-bit weights must be static (scales stored)")
-    if weights.get("actorder") == "group":
-        raise UnsupportedModelError("compressed-tensors 4-bit weights with actorder 'group' (a weight_g_idx "
-                                    "permutation per projection) are not supported yet")
     if strategy == "channel":
         return None, bool(weights.get("symmetric", True))
     group_size = weights.get("group_size")
@@ -135,15 +136,15 @@ def int4_targets(targets: Mapping[str, TensorTarget], quantization: Int4Quantiza
         zero_name = weight_name + ZERO_POINT_SUFFIX
         zero = targets.get(zero_name)
         if quantization.method == COMPRESSED_TENSORS:
-            out[weight_name], out[name], zero = _packed_targets(weight, target, zero, fmt)
+            out[weight_name], out[name], zero = _packed_targets(weight, target, zero, fmt, orders or {})
         else:
             out[weight_name], out[name], zero = int4_awq_gptq.targets(weight, target, zero, fmt, quantization,
                                                                       orders or {})
         if zero is not None:
             out[zero_name] = zero
         if fmt.act_order:
-            out[weight_name + PERMUTATION_SUFFIX] = int4_awq_gptq.permutation_target(
-                weight, targets[weight_name + PERMUTATION_SUFFIX])
+            out[weight_name + PERMUTATION_SUFFIX] = permutation_target(
+                weight, targets[weight_name + PERMUTATION_SUFFIX], quantization)
     return out
 
 
@@ -152,18 +153,24 @@ def unread_tensors(quantization: Int4Quantization) -> UnreadTensors:
     GPTQ's g_idx and a symmetric one's zero points."""
     if quantization.method != COMPRESSED_TENSORS:
         return int4_awq_gptq.unread_tensors(quantization)
-    return UnreadTensors(dropped_suffixes=(_WEIGHT + _SHAPE,))
+    g_idx = (_G_IDX,) if quantization.g_idx_suffix is not None and not quantization.act_order else ()
+    return UnreadTensors(dropped_suffixes=(_WEIGHT + _SHAPE, *g_idx))
 
 
-def _packed_targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None,
-                    fmt: WeightFormat) -> tuple[TensorTarget, TensorTarget, TensorTarget | None]:
+def _packed_targets(weight: TensorTarget, scale: TensorTarget, zero: TensorTarget | None, fmt: WeightFormat,
+                    orders: Mapping[str, Any]) -> tuple[TensorTarget, TensorTarget, TensorTarget | None]:
     """(weight, scale, zero point or None) targets of one pack-quantized projection: the weight read from
-    `weight_packed` I32 [N, ceil(K/8)] and unpacked on the host into int8 [N, K]."""
+    `weight_packed` I32 [N, ceil(K/8)], unpacked on the host (an act-order one's columns sorted by group) and packed
+    the model's way."""
     out_features, in_features = weight.stored_shape
     packed_weight = dataclasses.replace(
         weight, sources=tuple(source + _PACKED for source in weight.sources),
         stored_shape=(out_features, -(-in_features // PER_WORD)), stored_dtype=INT32,
         convert=unpacked(in_features, axis=1, then=lambda values: packed(signed(values))))
+    if any(orders.get(source) is not None for source in weight.sources):
+        values_of = unpacked(in_features, axis=1)
+        packed_weight = dataclasses.replace(packed_weight, convert=None, source_converts=tuple(
+            sorted_columns(values_of, orders[source]) for source in weight.sources))
     return (packed_weight, _scale_target(weight, scale, fmt, SCALE_SUFFIX),
             None if zero is None else _scale_target(weight, zero, fmt, ZERO_POINT_SUFFIX))
 

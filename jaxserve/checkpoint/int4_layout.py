@@ -12,13 +12,16 @@ holding zero - 8, so that (q - 8) - (zero - 8) = q - zero.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import jax
 import numpy as np
 
+from jaxserve.checkpoint.param_tree import TensorTarget
 from jaxserve.checkpoint.quantized_checkpoint import UnquantizedReason
-from jaxserve.errors import ConfigError
+from jaxserve.checkpoint.safetensors_loader import read_small_tensors
+from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from jaxserve.model.quantization import PACK_COLUMNS, WeightFormat, int4_format, pack_int4
 
 PER_WORD = 8  # 4-bit values in one int32 word
@@ -40,6 +43,9 @@ class Int4Quantization:
     unquantized_reason: UnquantizedReason  # which modules the config leaves unquantized, and why
     kv_cache_scales: bool = False  # 4-bit checkpoints with KV-cache scales are refused
     act_order: bool = False  # some projection's groups are not consecutive features (GPTQ desc_act): sorted at load
+    # The tensor beside each projection's weights naming each input feature's group (GPTQ's `.g_idx`,
+    # compressed-tensors' `.weight_g_idx` under actorder group); None: the checkpoint stores none
+    g_idx_suffix: str | None = None
 
     @property
     def weight_format(self) -> WeightFormat:
@@ -95,3 +101,54 @@ def check_whole_groups_per_device(name: str, placed: jax.ShapeDtypeStruct, in_fe
             raise ConfigError(f"tensor parallelism gives each device {2 * share} of the {in_features} columns of "
                               f"{name}, not a whole number of {what}: choose a tensor_parallel_size that splits it "
                               f"into whole {'groups' if unit == group_size else 'blocks'}")
+
+
+def group_orders(model_dir: Path, weights: Mapping[str, TensorTarget],
+                 quantization: Int4Quantization) -> dict[str, np.ndarray | None]:
+    """Checkpoint weight name -> the permutation i32[K] that sorts its input features by group (a stable sort of its
+    g_idx), or None where g_idx is k // group_size already; read at plan time. Act-order checkpoints (GPTQ desc_act,
+    compressed-tensors actorder group) have permutations; each of their groups must hold group_size features.
+    ModelLoadError for a missing or misshapen g_idx, UnsupportedModelError for uneven groups. `weights` are the
+    quantized projections' weight targets in the model's layout (sources `<module>.weight`, stored shape (N, K));
+    {} where the checkpoint stores no g_idx."""
+    if quantization.g_idx_suffix is None:
+        return {}
+    expected = {source: target.stored_shape[1] for target in weights.values() for source in target.sources}
+    found = read_small_tensors(model_dir, [_g_idx_name(source, quantization) for source in expected])
+    orders = {}
+    for source, in_features in expected.items():
+        name = _g_idx_name(source, quantization)
+        if name not in found:
+            raise ModelLoadError(f"{model_dir} lacks tensor {name} (the checkpoint stores each projection's g_idx)")
+        g_idx = found[name]
+        if g_idx.shape != (in_features,):
+            raise ModelLoadError(f"tensor {name} has shape {list(g_idx.shape)}; the config implies [{in_features}]")
+        in_order = np.arange(in_features) // (quantization.group_size or in_features)
+        order = sorted_g_idx(g_idx)
+        if not np.array_equal(g_idx[order], in_order):
+            raise UnsupportedModelError(f"{name} does not give every group {quantization.group_size} input features: "
+                                        f"jaxserve runs act-order checkpoints whose groups are all full")
+        orders[source] = None if np.array_equal(g_idx, in_order) else order
+    return orders
+
+
+def sorted_g_idx(g_idx: np.ndarray) -> np.ndarray:
+    """i32[K]: the input feature each stored column holds once an act-order weight's columns are sorted by group."""
+    return np.argsort(np.asarray(g_idx), kind="stable").astype(np.int32)
+
+
+def sorted_columns(values_of: Callable[[np.ndarray], np.ndarray],
+                   order: np.ndarray | None) -> Callable[[np.ndarray], np.ndarray]:
+    """A weight's transform: its signed values i8[N, K] (`values_of` the stored words), columns put in `order` (None:
+    as stored), packed."""
+    return lambda words: packed(values_of(words) if order is None else values_of(words)[:, order])
+
+
+def permutation_target(weight: TensorTarget, target: TensorTarget, quantization: Int4Quantization) -> TensorTarget:
+    """An act-order projection's `weight_perm` i32[L, K], read from its g_idx (sorted_g_idx)."""
+    return dataclasses.replace(target, sources=tuple(_g_idx_name(source, quantization) for source in weight.sources),
+                               stored_shape=(weight.stored_shape[1],), stored_dtype=INT32, convert=sorted_g_idx)
+
+
+def _g_idx_name(weight_source: str, quantization: Int4Quantization) -> str:
+    return weight_source.removesuffix(".weight") + quantization.g_idx_suffix

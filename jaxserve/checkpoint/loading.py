@@ -41,10 +41,9 @@ from jaxserve.checkpoint.orbax_io import plan_orbax_restore, save_orbax
 from jaxserve.checkpoint.param_tree import (AbstractParams, TensorTarget, abstract_params, checkpoint_tensors,
                                             fill_params, flat_arrays, tensor_targets, unchanged_targets)
 from jaxserve.checkpoint.quantize import online_quantization_name, quantized_arrays
-from jaxserve.checkpoint.int4_awq_gptq import group_orders
 from jaxserve.checkpoint.int4_checkpoint import int4_quantization, int4_targets, is_int4_checkpoint
 from jaxserve.checkpoint.int4_checkpoint import unread_tensors as int4_unread_tensors
-from jaxserve.checkpoint.int4_layout import Int4Quantization
+from jaxserve.checkpoint.int4_layout import Int4Quantization, group_orders
 from jaxserve.checkpoint.quantized_checkpoint import (CheckpointQuantization, check_requested, checkpoint_quantization,
                                                       kv_cache_scales, quantized_targets, unread_tensors)
 from jaxserve.checkpoint.safetensors_loader import load_safetensors, plan_safetensors_load

@@ -55,10 +55,12 @@ LLAMA_8B_INT4 = EngineSetup("8b-h100-int4", "configs/llama-3.1-8b-h100.yaml", {}
                             ("decode S=1", "decode S=64", "mixed T=2048 S=64"),
                             quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
                                                  "desc_act": False})
+LLAMA_8B_INT4_H200 = EngineSetup("8b-h200-int4", "configs/llama-3.1-8b-h100.yaml", {}, ("decode S=1",),
+                                 target="h200", quantization_config=LLAMA_8B_INT4.quantization_config)
 LLAMA_70B = EngineSetup("70b-8xh100", "configs/llama-3.1-70b-8xh100.yaml", {},
                         ("decode S=1", "decode S=64", "mixed T=8192 S=64"))
 ENGINE_SETUPS = (LLAMA_8B, LLAMA_8B_INT8, LLAMA_8B_FP8, LLAMA_8B_INT8_PALLAS, LLAMA_8B_FP8_PALLAS, LLAMA_8B_FP8_H200,
-                 LLAMA_8B_INT4, LLAMA_70B)
+                 LLAMA_8B_INT4, LLAMA_8B_INT4_H200, LLAMA_70B)
 
 
 def engine_key(setup: EngineSetup, program: str) -> str:

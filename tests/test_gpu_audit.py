@@ -3,7 +3,8 @@
 Guards: no decode or mixed step program copies a weight or the KV pool; each program's temp memory stays within a
 small multiple of its activations; int8/fp8 weights are widened inside their GEMMs, never whole in memory; fp8
 prefill steps multiply float8 activations by float8 weights in every projection (W8A8, H100 and H200 targets); a
-4-bit GPTQ checkpoint's programs read the packed weights in place through the Pallas W4A16 kernel. Each
+4-bit GPTQ checkpoint's programs read the packed weights in place through the Pallas W4A16 kernel (H100 and
+H200 targets). Each
 guard is shown failing on a hand-made program built to break it (tests/gpu_audit_examples.py) and passing on its
 twin. The engine's programs are compiled once per session in a subprocess (tests/gpu_audit_probe.py), since JAX
 must start there with its CUDA plugin beside the CPU backend; that needs the gpu-audit extra, and the tests that
@@ -31,8 +32,8 @@ from jaxserve.gpu_programs.hlo import parse_instruction, parse_module, parse_sha
 from jaxserve.gpu_programs.target import CUDA_PLUGIN_MISSING, cuda_plugin_installed
 from jaxserve.gpu_programs.thunks import count_launches, parse_thunks
 from tests.gpu_audit_probe import (ENGINE_SETUPS, LLAMA_8B, LLAMA_8B_FP8, LLAMA_8B_FP8_H200, LLAMA_8B_FP8_PALLAS,
-                                   LLAMA_8B_INT4, LLAMA_8B_INT8, LLAMA_8B_INT8_PALLAS, LLAMA_70B, EngineSetup,
-                                   engine_key, example_key)
+                                   LLAMA_8B_INT4, LLAMA_8B_INT4_H200, LLAMA_8B_INT8, LLAMA_8B_INT8_PALLAS, LLAMA_70B,
+                                   EngineSetup, engine_key, example_key)
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda_plugin = pytest.mark.skipif(not cuda_plugin_installed(), reason=CUDA_PLUGIN_MISSING)
@@ -65,7 +66,8 @@ COPY_CASES = _cases(ENGINE_SETUPS, {LLAMA_8B_INT8.name: QUANTIZED_SLICES_COPIED,
                                      LLAMA_8B_FP8.name: QUANTIZED_SLICES_COPIED,
                                      LLAMA_8B_FP8_H200.name: QUANTIZED_SLICES_COPIED}, kinds=STEP_KINDS)
 TEMP_CASES = _cases((LLAMA_8B, LLAMA_70B), {})
-WIDENING_CASES = _cases((LLAMA_8B_INT8, LLAMA_8B_FP8, LLAMA_8B_INT8_PALLAS, LLAMA_8B_FP8_PALLAS, LLAMA_8B_INT4), {})
+WIDENING_CASES = _cases((LLAMA_8B_INT8, LLAMA_8B_FP8, LLAMA_8B_INT8_PALLAS, LLAMA_8B_FP8_PALLAS, LLAMA_8B_INT4,
+                         LLAMA_8B_INT4_H200), {})
 
 
 @pytest.fixture(scope="session")
@@ -207,8 +209,8 @@ BATCH_1_MOVED_OVER_MUST_READ = 1.1
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("setup", [LLAMA_8B, LLAMA_70B, LLAMA_8B_INT8_PALLAS, LLAMA_8B_FP8_PALLAS, LLAMA_8B_INT4],
-                         ids=lambda setup: setup.name)
+@pytest.mark.parametrize("setup", [LLAMA_8B, LLAMA_70B, LLAMA_8B_INT8_PALLAS, LLAMA_8B_FP8_PALLAS, LLAMA_8B_INT4,
+                                   LLAMA_8B_INT4_H200], ids=lambda setup: setup.name)
 def test_batch_1_decode_moves_little_more_than_it_must_read(audits, setup):
     """The issue's static target: a batch-1 step is bound by reading the weights, so every extra byte (a copied
     slice, a widened head, a recomputed projection, a gathered table) is time."""

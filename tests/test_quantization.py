@@ -3,7 +3,6 @@ dense reference decoder decodes with the weights they stand for rebuilt in full,
 model (tolerances that a wrong scale or a transposed weight would break)."""
 
 import dataclasses
-import functools
 import sys
 from pathlib import Path
 
@@ -44,14 +43,23 @@ def unquantized():
 GEMMS = {"xla": {}, "pallas": dict(gemm_backend="pallas", pallas_interpret=True)}
 
 
-@functools.cache
-def quantized_llm(quantization: str, gemm: str) -> LLM:
-    return LLM(quantization=quantization, **LIMITS, **GEMMS[gemm])
+@pytest.fixture(scope="module")
+def quantized_llm():
+    """(quantization, gemm) -> its engine, each built once for this module and released with it (a whole session
+    holding every engine's compiled programs would exhaust the process's memory maps: tests/conftest.py)."""
+    engines = {}
+
+    def engine(quantization: str, gemm: str) -> LLM:
+        if (quantization, gemm) not in engines:
+            engines[quantization, gemm] = LLM(quantization=quantization, **LIMITS, **GEMMS[gemm])
+        return engines[quantization, gemm]
+    return engine
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
-def test_the_engine_decodes_what_the_dense_reference_decodes_with_the_rebuilt_weights(quantization, gemm):
+def test_the_engine_decodes_what_the_dense_reference_decodes_with_the_rebuilt_weights(quantized_llm, quantization,
+                                                                                        gemm):
     llm = quantized_llm(quantization, gemm)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -81,7 +89,7 @@ def _kernels_in_step_programs(llm: LLM) -> dict[int, int]:
     return found
 
 
-def test_the_pallas_gemm_backend_reads_the_quantized_stacks_with_the_kernel():
+def test_the_pallas_gemm_backend_reads_the_quantized_stacks_with_the_kernel(quantized_llm):
     """Every step of this engine has at most 32 tokens, under IN_PLACE_MAX_ROWS: each program's scan calls the kernel
     for its projections; with XLA's GEMMs none does."""
     assert all(count > 0 for count in _kernels_in_step_programs(quantized_llm("int8", "pallas")).values())

@@ -143,34 +143,31 @@ def _scale_target(name: str, target: TensorTarget, weight: TensorTarget,
     if quantization.strategy == "channel":
         return dataclasses.replace(target, sources=sources, stored_shape=(out_features, 1),
                                    convert=functools.partial(np.reshape, shape=(out_features,)))
-    check_whole_blocks_per_device(name, weight, quantization.block)
+    _check_whole_blocks_per_device(name, weight, quantization.block)
     return dataclasses.replace(target, sources=sources,
                                stored_shape=scale_shape(quantization.weight_format, out_features, in_features),
                                stored_rows=_block_rows(weight.stored_rows, quantization.block[0]))
 
 
-def check_whole_blocks_per_device(name: str, weight: TensorTarget, block: tuple[int, int]) -> None:
+def _check_whole_blocks_per_device(name: str, weight: TensorTarget, block: tuple[int, int]) -> None:
     """ConfigError unless each device's share of the weight's rows and columns is a whole number of blocks, so
     that its share of the scales covers exactly its share of the weight."""
     shape = weight.placed.shape[-2:]
     shard = weight.placed.sharding.shard_shape(weight.placed.shape)[-2:]
     repeated = " (its KV heads repeated, one per device)" if weight.stored_rows is not None else ""
-    # A 4-bit checkpoint's groups are blocks of one row: named as groups
-    unit = "groups" if block[0] == 1 else "blocks"
-    blocks = f"groups of {block[1]} columns" if block[0] == 1 else f"{block[0]}x{block[1]} weight blocks"
     for size, share, block_size, what in zip(shape, shard, block, ("rows", "columns")):
         if share != size and share % block_size:
             raise ConfigError(
                 f"tensor parallelism gives each device {share} of the {size} {what} of "
-                f"{name.removesuffix(SCALE_SUFFIX)}{repeated}, not a whole number of the checkpoint's {blocks}: "
-                f"choose a tensor_parallel_size that splits it into whole {unit}")
+                f"{name.removesuffix(SCALE_SUFFIX)}{repeated}, not a whole number of the checkpoint's "
+                f"{block[0]}x{block[1]} weight blocks: choose a tensor_parallel_size that splits it into whole blocks")
 
 
 def _block_rows(weight_rows: np.ndarray | None, rows: int) -> np.ndarray | None:
     """i64[placed out blocks]: the stored block row each placed block row of scales copies, where tensor parallelism
     repeats KV heads (`weight_rows`, i64[placed out]: the stored row of each placed weight row; `rows` per block).
 
-    Each device then holds one copy of one KV head, which `check_whole_blocks_per_device` has found to be a whole
+    Each device then holds one copy of one KV head, which `_check_whole_blocks_per_device` has found to be a whole
     number of blocks; so every placed block lies inside one head copy, and is a whole stored block."""
     return None if weight_rows is None else weight_rows[::rows] // rows
 

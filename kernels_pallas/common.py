@@ -1,15 +1,18 @@
 """Pieces both paged-attention kernels share: Triton's limits, input checks, default key tiles, the sliding window, the
-scores and the online softmax."""
+scores and the online softmax (`OnlineSoftmax`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-# Score given to masked slots: finite, so a block whose slots are all masked yields exp(mask - max) = 0, not NaN.
+# Score given to masked slots: finite, so a block whose slots are all masked yields exp2(mask - max) = 0, not NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+LOG2_E = 1.4426950408889634
 # Triton's dot needs at least this many rows and columns in each operand.
 MIN_DOT_DIM = 16
 # Widest key tile (slots) a default tuning picks: wider tiles add registers for the f32 scores [rows, slots] but
@@ -107,30 +110,71 @@ def padded_rows(rows: int) -> int:
     return max(MIN_DOT_DIM, next_power_of_two(rows))
 
 
-def scaled_scores(query, keys, sm_scale: float, logits_soft_cap: float | None):
-    """f32[rows, slots] = query · keysᵀ * sm_scale, then cap * tanh(score / cap) when a soft-cap is given."""
-    scores = plgpu.dot(query, keys, trans_b=True, precision=dot_precision(query.dtype)) * sm_scale
-    if logits_soft_cap is not None:
-        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
-    return scores
+@dataclasses.dataclass(frozen=True)
+class OnlineSoftmax:
+    """How a kernel scores a key block and folds it into its running softmax (static: a kernel argument).
 
-
-def online_softmax_step(state, scores, values):
-    """Folds one block into (running max f32[rows], running sum f32[rows], weighted values f32[rows, head_dim]).
-
-    Without a window callers visit blocks from slot 0 and every row that holds a query sees slot 0, so its running
-    max is a real score after the first block and masked slots give exp(MASK_VALUE - max) = 0 exactly. A row that
-    sees nothing of a block (a sliding window starting later) gets max MASK_VALUE and sums of finite junk there,
-    which its first real score rescales by exp(MASK_VALUE - score) = 0 exactly: callers must keep the values of
-    every visited slot finite (zero the others) and give each query row a visible slot.
+    Scores are kept in base 2 and exponentiated with exp2: on a GPU that is one instruction (MUFU.EX2), where
+    exp is libdevice's accurate expf, several FFMAs around it, for every score. Without a soft-cap the scale
+    (sm_scale * log2 e) is applied in the fold, as one fused multiply-add with the max subtraction.
     """
-    running_max, total, weighted = state
-    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[rows]
-    rescale = jnp.exp(running_max - new_max)  # f32[rows]
-    probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, (0,)))  # f32[rows, slots]
-    block_weighted = plgpu.dot(probs.astype(values.dtype), values, precision=dot_precision(values.dtype))
-    return (new_max, total * rescale + jnp.sum(probs, axis=1),
-            weighted * lax.broadcast_in_dim(rescale, weighted.shape, (0,)) + block_weighted)
+
+    sm_scale: float  # q·k is multiplied by this before the softmax
+    logits_soft_cap: float | None  # scores become cap * tanh(score / cap) when given
+    native_exp2: bool  # True in a kernel compiled for the GPU: PTX's ex2.approx.ftz; False: jnp.exp2 (interpret)
+
+    @property
+    def fold_scale(self) -> float:
+        """What `scores` must be multiplied by to be base-2 scores."""
+        return self.sm_scale * LOG2_E if self.logits_soft_cap is None else 1.0
+
+    def scores(self, query, keys):
+        """f32[rows, slots]: query · keysᵀ, the soft-cap applied (in base 2) when given; times `fold_scale`, the
+        base-2 scores. Callers mask them with MASK_VALUE, which stays hugely negative once scaled."""
+        scores = plgpu.dot(query, keys, trans_b=True, precision=dot_precision(query.dtype))
+        if self.logits_soft_cap is None:
+            return scores
+        cap = self.logits_soft_cap
+        return (cap * LOG2_E) * jnp.tanh(scores * (self.sm_scale / cap))
+
+    def fold(self, state, scores, values):
+        """Folds one block of `scores` into (running max f32[rows] in base 2, running sum f32[rows], weighted
+        values f32[rows, head_dim]).
+
+        Without a window callers visit blocks from slot 0 and every row that holds a query sees slot 0, so its
+        running max is a real score after the first block and masked slots give exp2(MASK_VALUE - max) = 0
+        exactly. A row that sees nothing of a block (a sliding window starting later) gets a max of a masked score
+        and sums of finite junk there, which its first real score rescales by exp2(masked - score) = 0 exactly:
+        callers must keep the values of every visited slot finite (zero the others) and give each query row a
+        visible slot.
+        """
+        running_max, total, weighted = state
+        scale = self.fold_scale
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1) * scale)  # f32[rows]
+        rescale = self.exp2(running_max - new_max)  # f32[rows]
+        probs = self.exp2(self.multiply_add(scores, jnp.full(scores.shape, scale, jnp.float32),
+                                            -lax.broadcast_in_dim(new_max, scores.shape, (0,))))  # f32[rows, slots]
+        block_weighted = plgpu.dot(probs.astype(values.dtype), values, precision=dot_precision(values.dtype))
+        return (new_max, total * rescale + jnp.sum(probs, axis=1),
+                weighted * lax.broadcast_in_dim(rescale, weighted.shape, (0,)) + block_weighted)
+
+    def multiply_add(self, x: jax.Array, y: jax.Array, z: jax.Array) -> jax.Array:
+        """x * y + z. Native: one FFMA (PTX's fma.rn; Triton's separate multiply and add are not fused by ptxas)."""
+        if not self.native_exp2:
+            return x * y + z
+        [result] = plgpu.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[x, y, z], constraints="=f,f,f,f",
+                                                pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+        return result
+
+    def exp2(self, x: jax.Array) -> jax.Array:
+        """2**x. Native: PTX's ex2.approx.ftz, the one MUFU.EX2 instruction (`jnp.exp2` lowers to libdevice's
+        exp2f, which adds a compare and two multiplies per element to keep results below 2**-126, probabilities
+        too small to change a sum)."""
+        if not self.native_exp2:
+            return jnp.exp2(x)
+        [result] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                                result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+        return result
 
 
 def dot_precision(dtype) -> lax.Precision:

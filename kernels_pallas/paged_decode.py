@@ -28,8 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.common import (MASK_VALUE, check_pool, check_shape_arguments, check_tuning, check_window,
-                                   default_pages_per_block, online_softmax_step, padded_rows, scaled_scores,
-                                   window_input)
+                                   OnlineSoftmax, default_pages_per_block, padded_rows, window_input)
 
 # Streaming multiprocessors of an H100 SXM: the GPU the default tunings are sized for.
 H100_CORES = 132
@@ -109,10 +108,9 @@ def _paged_decode_kernel(
     length_ref,  # i32[1]: tokens the sequence holds
     *window_and_out_refs,  # (window i32[1], when windowed), then the outputs out, max and sum:
     # out f32[group_rows, head_dim]: unnormalised weighted values of this split
-    # max f32[group_rows]: running max of this split's scores
-    # sum f32[group_rows]: sum of exp(score - max) over this split
-    sm_scale: float,
-    logits_soft_cap: float | None,
+    # max f32[group_rows]: running max of this split's scores, in base 2 (OnlineSoftmax)
+    # sum f32[group_rows]: sum of exp2(score - max) over this split
+    softmax: OnlineSoftmax,
     pages_per_block: int,
     windowed: bool,
 ):
@@ -137,9 +135,9 @@ def _paged_decode_kernel(
                                             first_page, window_start, length, pages_per_block)
         # A float8 pool's pages are widened to the query's dtype in registers (its scales are folded outside).
         keys, values = keys.astype(query.dtype), values.astype(query.dtype)
-        scores = scaled_scores(query, keys, sm_scale, logits_soft_cap)  # f32[group_rows, block_slots]
+        scores = softmax.scores(query, keys)  # f32[group_rows, block_slots]
         scores = jnp.where(lax.broadcast_in_dim(visible, scores.shape, (1,)), scores, MASK_VALUE)
-        return online_softmax_step(state, scores, values)
+        return softmax.fold(state, scores, values)
 
     state = (
         jnp.full((group_rows,), jnp.finfo(jnp.float32).min, jnp.float32),  # running max
@@ -205,7 +203,7 @@ def _decode_partials(
     pages_per_split = split_tables.shape[2]
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, s, p: (h, 0, 0, 0))
     row_spec = pl.BlockSpec((None, None, None, group_rows), lambda h, s, p: (p, s, h, 0))
-    kernel = functools.partial(_paged_decode_kernel, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+    kernel = functools.partial(_paged_decode_kernel, softmax=OnlineSoftmax(sm_scale, logits_soft_cap, not interpret),
                                pages_per_block=tuning.pages_per_block, windowed=window is not None)
     window_inputs = [] if window is None else [window]
     return pl.pallas_call(
@@ -237,12 +235,12 @@ def _decode_partials(
 
 def _combine_splits(
     partial_out: jax.Array,  # f32[k_splits, S, kv_heads, group_rows, head_dim]
-    partial_max: jax.Array,  # f32[k_splits, S, kv_heads, group_rows]
+    partial_max: jax.Array,  # f32[k_splits, S, kv_heads, group_rows], base 2 (OnlineSoftmax)
     partial_sum: jax.Array,  # f32[k_splits, S, kv_heads, group_rows]
 ) -> jax.Array:  # f32[S, kv_heads, group_rows, head_dim]
     """Merges the splits' softmax states; a row that saw no slot (length 0) comes out as zeros, not NaN."""
     global_max = jnp.max(partial_max, axis=0)  # f32[S, kv_heads, group_rows]
-    correction = jnp.exp(partial_max - global_max)  # f32[k_splits, S, kv_heads, group_rows]
+    correction = jnp.exp2(partial_max - global_max)  # f32[k_splits, S, kv_heads, group_rows]
     total = jnp.sum(partial_sum * correction, axis=0)  # f32[S, kv_heads, group_rows]
     weighted = jnp.sum(partial_out * correction[..., None], axis=0)  # f32[S, kv_heads, group_rows, head_dim]
     return weighted / jnp.where(total > 0, total, 1.0)[..., None]

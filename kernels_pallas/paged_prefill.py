@@ -35,16 +35,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.common import (MASK_VALUE, MIN_DOT_DIM, check_pool, check_shape_arguments, check_tuning,
-                                   check_window, default_pages_per_block, next_power_of_two, online_softmax_step,
-                                   padded_rows, previous_power_of_two, scaled_scores, window_input)
+                                   check_window, default_pages_per_block, next_power_of_two, OnlineSoftmax,
+                                   padded_rows, previous_power_of_two, window_input)
 from kernels_pallas.paged_decode import paged_decode_reference
 
 _NO_POSITION = -1  # position of a query row that holds no token: it sees no slot
 _NO_SLOT = jnp.iinfo(jnp.int32).max  # first visible slot of an item with no token
 # Most query rows (block_q * group) per program a default tuning takes: the float32 accumulator [rows, head_dim]
-# and scores [rows, slots] live in registers, and at 64 rows, head_dim 128 and 128 slots that is already 128 f32
-# registers per thread of 4 warps (of 255).
-MAX_DEFAULT_ROWS = 64
+# and scores [rows, slots] live in registers, 128 f32 registers per thread at head_dim 128 and 128 slots for each
+# 64 rows a warpgroup (4 warps) holds. Hopper's wgmma computes 64 rows per warpgroup, so a default tuning gives
+# every 64 rows 4 warps: 128 rows take 8 warps, two warpgroups sharing each K/V tile (246 registers, no spills, at
+# Llama-3.1-8B's heads: benchmarks/kernel_code.py).
+MAX_DEFAULT_ROWS = 128
+ROWS_PER_WARPGROUP = 64
+WARPS_PER_WARPGROUP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +75,7 @@ class PrefillTuning:
     @property
     def kernel_name(self) -> str:
         """The pallas_call's name, which profiles and compiled modules show: it says which tuning ran."""
-        return f"paged_prefill_{self.block_q}q_{self.pages_per_block}ppb"
+        return f"paged_prefill_{self.block_q}q_{self.pages_per_block}ppb_{self.num_warps}w_{self.num_stages}s"
 
 
 def default_prefill_tuning(num_tokens: int, num_seqs: int, group: int, max_pages_per_seq: int, page_size: int,
@@ -84,16 +88,18 @@ def default_prefill_tuning(num_tokens: int, num_seqs: int, group: int, max_pages
     so a larger query block reads a prefill chunk's context fewer times; but a block larger than a sequence's run
     of tokens only adds empty rows. T / S, the mean tokens per row of a full batch of this shape, stands for the
     run length, so block_q is that rounded down to a power of two, between MIN_DOT_DIM // group (rows Triton's dot
-    pads to anyway, so free) and MAX_DEFAULT_ROWS // group (the register budget). Warps and stages keep their
-    defaults: they are a matter of measurement on the GPU, not of shape.
+    pads to anyway, so free) and MAX_DEFAULT_ROWS // group (the register budget). Each 64 rows get a warpgroup
+    (4 warps); stages keep their default, a matter of measurement on the GPU, not of shape.
     """
     check_shape_arguments("default_prefill_tuning", num_tokens=num_tokens, num_seqs=num_seqs, group=group,
                           max_pages_per_seq=max_pages_per_seq, page_size=page_size, head_dim=head_dim)
     smallest = max(1, MIN_DOT_DIM // group)
     largest = max(1, MAX_DEFAULT_ROWS // group)
     block_q = min(max(previous_power_of_two(max(1, num_tokens // num_seqs)), smallest), largest)
+    warpgroups = max(1, padded_rows(block_q * group) // ROWS_PER_WARPGROUP)
     return PrefillTuning(block_q=block_q,
-                         pages_per_block=default_pages_per_block(max_pages_per_seq, page_size, head_dim, dtype))
+                         pages_per_block=default_pages_per_block(max_pages_per_seq, page_size, head_dim, dtype),
+                         num_warps=WARPS_PER_WARPGROUP * warpgroups)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,55 +115,77 @@ def _paged_prefill_kernel(
     block_table_ref,  # i32[table_pages]: the item's sequence's block table, padded
     length_ref,  # i32[1]: tokens the item's sequence holds; 0 for an empty item
     *window_and_out_refs,  # (window i32[1], when windowed), out f[rows, head_dim]: each row's normalised output
-    sm_scale: float,
-    logits_soft_cap: float | None,
+    softmax: OnlineSoftmax,
     pages_per_block: int,
     windowed: bool,
 ):
-    """One (kv_head, work item) program: online softmax over the pages the item's queries can see."""
+    """One (kv_head, work item) program: online softmax over the pages the item's queries can see.
+
+    The key blocks fall in three runs: those some row may not see wholly (before the last row's window start),
+    those every row sees wholly, and those past the first row's last visible slot (the causal diagonal and the
+    sequence's end). Only the outer runs pay for masks and for zeroing values outside the item; in a long prompt's
+    items the middle run is nearly every block, so the loop the GPU mostly runs is two GEMMs and the softmax.
+    """
     window_ref, out_ref = window_and_out_refs if windowed else (None, *window_and_out_refs)
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     block_slots = pages_per_block * page_size
+    row_positions = row_positions_ref[...]  # i32[rows]
     # Slots each row may see: causal (up to its position) and never past the sequence's length; with a window, only
     # the last `window` of those.
-    row_limits = jnp.clip(row_positions_ref[...] + 1, 0, length_ref[0])  # i32[rows]
+    row_limits = jnp.clip(row_positions + 1, 0, length_ref[0])  # i32[rows]
     row_starts = None if window_ref is None else jnp.maximum(row_limits - window_ref[0], 0)  # i32[rows]
     item_limit = jnp.max(row_limits)
     # Rows without a token see nothing and bound nothing; an empty item starts past its (absent) end.
+    has_token = row_positions != _NO_POSITION  # bool[rows]
     item_start = 0 if row_starts is None else jnp.min(jnp.where(row_limits > 0, row_starts, _NO_SLOT))
     pages_here = pl.cdiv(item_limit, page_size)
     num_blocks = pl.cdiv(pages_here, pages_per_block)
+    first_block = item_start // block_slots
+    # The middle run: blocks inside every token row's [start, limit). Rows without a token read them too (finite
+    # scores of zero queries), and their outputs are never gathered back.
+    whole_from = first_block if row_starts is None else pl.cdiv(jnp.max(jnp.where(has_token, row_starts, 0)),
+                                                                block_slots)
+    whole_from = jnp.clip(whole_from, first_block, num_blocks)
+    whole_to = jnp.clip(jnp.min(jnp.where(has_token, row_limits, _NO_SLOT)) // block_slots, whole_from, num_blocks)
     query = q_ref[...]  # f[rows, head_dim]
 
-    def fold_block(block, state):
+    def fold_masked_block(block, state):
         keys, values, slot_positions = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here,
-                                                   item_start, item_limit, pages_per_block)
-        # A float8 pool's pages are widened to the query's dtype in registers (its scales are folded outside).
-        keys, values = keys.astype(query.dtype), values.astype(query.dtype)
+                                                   pages_per_block, query.dtype)
+        # Slots in [item_start, item_limit) are written tokens of the sequence, so finite; others may hold NaN, and a
+        # row that masks them still multiplies them by probability 0 (0 * NaN = NaN): zero them with where.
+        in_item = (slot_positions >= item_start) & (slot_positions < item_limit)  # bool[slots]
+        values = jnp.where(lax.broadcast_in_dim(in_item, values.shape, (0,)), values, jnp.zeros((), values.dtype))
         slots = lax.broadcast_in_dim(slot_positions, (rows, slot_positions.shape[0]), (1,))  # i32[rows, slots]
         visible = slots < lax.broadcast_in_dim(row_limits, slots.shape, (0,))  # bool[rows, slots]
         if row_starts is not None:
             # A row whose window starts in a later block sees none of this one: its max becomes MASK_VALUE and its
             # sums collect finite junk, which its first real score then rescales by exp(MASK_VALUE - score) = 0.
             visible &= slots >= lax.broadcast_in_dim(row_starts, slots.shape, (0,))
-        scores = jnp.where(visible, scaled_scores(query, keys, sm_scale, logits_soft_cap), MASK_VALUE)
-        return online_softmax_step(state, scores, values)
+        return softmax.fold(state, jnp.where(visible, softmax.scores(query, keys), MASK_VALUE), values)
+
+    def fold_whole_block(block, state):
+        keys, values, _ = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, pages_per_block,
+                                      query.dtype)
+        return softmax.fold(state, softmax.scores(query, keys), values)
 
     state = (
         jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),  # running max
         jnp.zeros((rows,), jnp.float32),  # running sum
         jnp.zeros((rows, head_dim), jnp.float32),  # weighted values
     )
-    _, total, weighted = lax.fori_loop(item_start // block_slots, num_blocks, fold_block, state)
-    # An empty item (or a padding sequence of length 0) never enters the loop: total 0, so divide by 1 for zeros.
+    if row_starts is not None:
+        state = lax.fori_loop(first_block, whole_from, fold_masked_block, state)
+    state = lax.fori_loop(whole_from, whole_to, fold_whole_block, state)
+    _, total, weighted = lax.fori_loop(whole_to, num_blocks, fold_masked_block, state)
+    # An empty item (or a padding sequence of length 0) never enters a loop: total 0, so divide by 1 for zeros.
     out_ref[...] = (weighted / lax.broadcast_in_dim(jnp.where(total > 0, total, 1.0), weighted.shape, (0,))
                     ).astype(out_ref.dtype)
 
 
-def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, item_start, item_limit,
-                pages_per_block: int):
-    """Keys f[slots, head_dim], values (zeroed outside the item's visible slots), slot positions i32[slots]."""
+def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, pages_per_block: int, dtype):
+    """Keys and values f[slots, head_dim] of one key block, in the query's dtype, and its slot positions i32[slots]."""
     _, page_size, head_dim = k_pages_ref.shape
     block_slots = pages_per_block * page_size
     local_pages = block * pages_per_block + jnp.arange(pages_per_block)  # i32[pages_per_block]
@@ -167,11 +195,8 @@ def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, it
     keys = k_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[slots, head_dim]
     values = v_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[slots, head_dim]
     slot_positions = block * block_slots + jnp.arange(block_slots)  # i32[slots]
-    # Slots in [item_start, item_limit) are written tokens of the sequence, so finite; others may hold NaN, and a
-    # row that masks them still multiplies them by probability 0 (0 * NaN = NaN): zero them with where.
-    in_item = (slot_positions >= item_start) & (slot_positions < item_limit)  # bool[slots]
-    values = jnp.where(lax.broadcast_in_dim(in_item, values.shape, (0,)), values, jnp.zeros((), values.dtype))
-    return keys, values, slot_positions
+    # A float8 pool's pages are widened to the query's dtype in registers (its scales are folded outside).
+    return keys.astype(dtype), values.astype(dtype), slot_positions
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,7 +287,7 @@ def _prefill_items(
     _, num_pages, page_size, _ = k_pages.shape
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, w: (h, 0, 0, 0))
     rows_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (w, h, 0, 0))
-    kernel = functools.partial(_paged_prefill_kernel, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+    kernel = functools.partial(_paged_prefill_kernel, softmax=OnlineSoftmax(sm_scale, logits_soft_cap, not interpret),
                                pages_per_block=tuning.pages_per_block, windowed=window is not None)
     window_inputs = [] if window is None else [window]
     return pl.pallas_call(

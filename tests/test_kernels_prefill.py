@@ -211,10 +211,14 @@ def test_default_tuning_is_valid_over_serving_shapes():
 
 def test_default_query_block_follows_tokens_per_sequence():
     shapes = dict(max_pages_per_seq=512, page_size=16, head_dim=128, dtype=jnp.bfloat16)
-    # One long prompt: the largest block the registers allow, so its context is read the fewest times.
-    assert default_prefill_tuning(2048, 1, group=4, **shapes).block_q * 4 == MAX_DEFAULT_ROWS
+    # One long prompt: the largest block the registers allow, so its context is read the fewest times, on a
+    # warpgroup (4 warps) per 64 rows.
+    long_prompt = default_prefill_tuning(2048, 1, group=4, **shapes)
+    assert long_prompt.block_q * 4 == MAX_DEFAULT_ROWS == 128 and long_prompt.num_warps == 8
+    assert default_prefill_tuning(2048, 128, group=4, **shapes).num_warps == 4  # 16 tokens a row: 64 rows
     # One token per row (decode): the rows Triton's dot pads to anyway.
-    assert default_prefill_tuning(256, 256, group=4, **shapes).block_q * 4 == MIN_DOT_DIM
+    decode = default_prefill_tuning(256, 256, group=4, **shapes)
+    assert decode.block_q * 4 == MIN_DOT_DIM and decode.num_warps == 4
     assert default_prefill_tuning(256, 256, group=32, **shapes).block_q == 1
 
 

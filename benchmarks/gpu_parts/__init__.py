@@ -88,6 +88,7 @@ AUDITED_PRESET = "configs/llama-3.1-8b-h100.yaml"
 
 # Attention shapes of the Llama-3.1-8B kernels (32 query heads over 8 KV heads of 128) and their GQA-8 sibling.
 LLAMA_8B_DECODE = ["--batches", "64", "--contexts", "2048"]
+LLAMA_8B_PREFILL = ["--prefill-shapes", "1x2048", "8x1024", "16x128", "--prefill-priors", "0", "2048"]
 
 PARTS = [
     Part("env", 1, 30, 60, "gpu_parts.env:run", {}, {},
@@ -181,9 +182,12 @@ PARTS += [
          dict(kinds=["decode", "prefill", "mixed"], groups=[4], head_dims=[64], page_sizes=[PAGE_SIZE], kv_heads=1,
               long_len=40),
          "every Pallas kernel compiled and checked against the XLA reference on random ragged batches"),
-    Part("kernel_timing", 6, 135, 120, "gpu_parts.kernel_timing:run",
-         dict(runs={"llama-3.1-8b (32/8 heads)": [*LLAMA_8B_DECODE, "--prefill-shapes", "1x2048", "16x128",
-                                                  "--prefill-priors", "0", "--reps", "10"],
+    Part("kernel_timing", 6, 200, 120, "gpu_parts.kernel_timing:run",
+         dict(runs={"llama-3.1-8b (32/8 heads)": [*LLAMA_8B_DECODE, "--skip-prefill", "--reps", "10"],
+                    # The prefill kernel's goal points (1 x 2048 and 8 x 1024 prompts, 16 x 128 chunks over 2048
+                    # cached tokens), each with the default tuning and its neighbours (--sweep).
+                    "llama-3.1-8b prefill (32/8 heads)": ["--skip-decode", *LLAMA_8B_PREFILL, "--sweep", "--reps",
+                                                          "5"],
                     "GQA 8 (64/8 heads)": [*LLAMA_8B_DECODE, "--heads", "64", "--skip-prefill", "--reps", "10"]}),
          dict(runs={"smoke": ["--smoke", "--batches", "3", "--contexts", "40", "--prefill-shapes", "2x16",
                               "--prefill-priors", "0"]}),

@@ -492,7 +492,7 @@ def output_errors(output: jax.Array, reference: jax.Array) -> tuple[float, float
 class Variant:
     """One implementation with one tuning: a jitted callable and the (untimed) choice of its arguments."""
 
-    implementation: str  # "pallas", "shipped", "pallas_mixed" or "xla"
+    implementation: str  # "pallas", "shipped", "pallas_mixed", "cudnn" or "xla"
     tuning: dict[str, Any]  # its launch parameters; empty for xla
     run: Callable[..., jax.Array]  # jitted; returns f[T, heads, head_dim]
     arguments: Callable[[PagedInputs], tuple]
@@ -523,6 +523,29 @@ def pallas_step_variant(implementation: str, tuning: PrefillTuning, scale: float
 
 def xla_variant(scale: float) -> Variant:
     return Variant("xla", {}, jax.jit(functools.partial(xla_attention, scale=scale)), step_arguments)
+
+
+def cudnn_variant(batch: Batch, scale: float) -> Variant:
+    """cuDNN's fused flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) on the same prompts
+    held contiguously, [S, chunk, heads, head_dim]: the rate a vendor kernel reaches on this GPU, for prompts with no
+    cached prefix of equal length (it takes no pages). Gathering K/V out of the pages is not timed."""
+    seqs, chunk = batch.num_seqs, batch.query_lens[0]
+
+    def attend(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+        return out.reshape(seqs * chunk, *out.shape[2:])  # f[T, heads, head_dim]
+
+    def contiguous(pages: jax.Array, block_tables: jax.Array) -> jax.Array:  # f[S, chunk, kv_heads, head_dim]
+        kv_heads, _, page_size, head_dim = pages.shape
+        gathered = pages[:, block_tables]  # f[kv_heads, S, max_pages, page_size, head_dim]
+        flat = gathered.reshape(kv_heads, seqs, -1, head_dim)[:, :, :chunk]
+        return flat.transpose(1, 2, 0, 3)
+
+    def arguments(x: PagedInputs) -> tuple:
+        return (x.q.reshape(seqs, chunk, *x.q.shape[1:]), contiguous(x.k_pages, x.block_tables),
+                contiguous(x.v_pages, x.block_tables))
+
+    return Variant("cudnn", {}, jax.jit(attend), arguments)
 
 
 def shipped_paged_attention() -> Callable[..., jax.Array]:
@@ -617,8 +640,11 @@ def decode_variants(batch: Batch, settings: GridSettings) -> list[Variant]:
 def prefill_variants(batch: Batch, settings: GridSettings) -> list[Variant]:
     shape = settings.shape
     tunings = prefill_tunings(engine_prefill_tuning(batch, shape), settings.sweep)
-    return [pallas_step_variant("pallas", t, shape.scale, settings.interpret) for t in tunings] + [
-        xla_variant(shape.scale)]
+    variants = [pallas_step_variant("pallas", t, shape.scale, settings.interpret) for t in tunings]
+    # cuDNN runs on a GPU only, and takes prompts whose K/V are all this call's (no cached prefix).
+    if not settings.interpret and batch.seq_lens == batch.query_lens:
+        variants.append(cudnn_variant(batch, shape.scale))
+    return variants + [xla_variant(shape.scale)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

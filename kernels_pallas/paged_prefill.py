@@ -114,6 +114,7 @@ def _paged_prefill_kernel(
     v_pages_ref,  # f[num_pages, page_size, head_dim]: this KV head's whole V pool
     block_table_ref,  # i32[table_pages]: the item's sequence's block table, padded
     length_ref,  # i32[1]: tokens the item's sequence holds; 0 for an empty item
+    page_offset_ref,  # i32[1]: added to every block-table entry (the first page of the layer read)
     *window_and_out_refs,  # (window i32[1], when windowed), out f[rows, head_dim]: each row's normalised output
     softmax: OnlineSoftmax,
     pages_per_block: int,
@@ -151,8 +152,8 @@ def _paged_prefill_kernel(
     query = q_ref[...]  # f[rows, head_dim]
 
     def fold_masked_block(block, state):
-        keys, values, slot_positions = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here,
-                                                   pages_per_block, query.dtype)
+        keys, values, slot_positions = _load_block(k_pages_ref, v_pages_ref, block_table_ref, page_offset_ref[0],
+                                                   block, pages_here, pages_per_block, query.dtype)
         # Slots in [item_start, item_limit) are written tokens of the sequence, so finite; others may hold NaN, and a
         # row that masks them still multiplies them by probability 0 (0 * NaN = NaN): zero them with where.
         in_item = (slot_positions >= item_start) & (slot_positions < item_limit)  # bool[slots]
@@ -166,8 +167,8 @@ def _paged_prefill_kernel(
         return softmax.fold(state, jnp.where(visible, softmax.scores(query, keys), MASK_VALUE), values)
 
     def fold_whole_block(block, state):
-        keys, values, _ = _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, pages_per_block,
-                                      query.dtype)
+        keys, values, _ = _load_block(k_pages_ref, v_pages_ref, block_table_ref, page_offset_ref[0], block,
+                                      pages_here, pages_per_block, query.dtype)
         return softmax.fold(state, softmax.scores(query, keys), values)
 
     state = (
@@ -184,14 +185,15 @@ def _paged_prefill_kernel(
                     ).astype(out_ref.dtype)
 
 
-def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, pages_per_block: int, dtype):
+def _load_block(k_pages_ref, v_pages_ref, block_table_ref, page_offset, block, pages_here, pages_per_block: int,
+                dtype):
     """Keys and values f[slots, head_dim] of one key block, in the query's dtype, and its slot positions i32[slots]."""
     _, page_size, head_dim = k_pages_ref.shape
     block_slots = pages_per_block * page_size
     local_pages = block * pages_per_block + jnp.arange(pages_per_block)  # i32[pages_per_block]
     page_ids = block_table_ref[pl.ds(block * pages_per_block, pages_per_block)]  # i32[pages_per_block]
     # Entries past the last page the item needs are unspecified (maybe out of range): read page 0 instead.
-    page_ids = jnp.where(local_pages < pages_here, page_ids, 0)
+    page_ids = jnp.where(local_pages < pages_here, page_ids + page_offset, 0)
     keys = k_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[slots, head_dim]
     values = v_pages_ref[page_ids].reshape(block_slots, head_dim)  # f[slots, head_dim]
     slot_positions = block * block_slots + jnp.arange(block_slots)  # i32[slots]
@@ -204,6 +206,7 @@ def _load_block(k_pages_ref, v_pages_ref, block_table_ref, block, pages_here, pa
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class WorkList:
     """W work items, each up to block_q consecutive tokens of one sequence, and where every token landed."""
@@ -238,55 +241,105 @@ def build_work_list(token_seq: jax.Array, num_seqs: int, block_q: int) -> WorkLi
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Plan: what the work items hold and read, from the batch layout alone
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+    """A call's work items, their query rows' positions and their sequences' block tables and lengths: everything
+    the kernel needs besides the queries and the pool. It depends on the batch layout alone, so a model builds it
+    once per step (outside its layer loop) and every layer's call reuses it (`planned_prefill_attention`); built
+    per call, these are a dozen small XLA launches per layer."""
+
+    work: WorkList
+    row_positions: jax.Array  # i32[W, rows]: each query row's position; _NO_POSITION for rows without a token
+    tables: jax.Array  # i32[W, table_pages]: each item's sequence's block table, null-padded to whole key tiles
+    lengths: jax.Array  # i32[W]: tokens each item's sequence holds; 0 for empty items
+    tuning: PrefillTuning = dataclasses.field(metadata=dict(static=True))  # the tuning the plan was cut for
+    group: int = dataclasses.field(metadata=dict(static=True))  # query heads per KV head
+
+
+def plan_prefill(
+    block_tables: jax.Array,  # i32[S, max_pages]
+    seq_lens: jax.Array,  # i32[S]
+    token_seq: jax.Array,  # i32[T]: each token's sequence row; tokens of one row contiguous
+    positions: jax.Array,  # i32[T]: each token's position in its sequence
+    *,
+    group: int,
+    tuning: PrefillTuning,
+) -> PrefillPlan:
+    """The plan of a call with this batch layout, `group` query heads per KV head and `tuning` (XLA ops)."""
+    _check_layout(block_tables, seq_lens, token_seq, positions)
+    block_q, rows = tuning.block_q, padded_rows(tuning.block_q * group)
+    work = build_work_list(token_seq, block_tables.shape[0], block_q)
+    in_item = jnp.arange(block_q)[None, :] < work.num_tokens[:, None]  # bool[W, block_q]
+    row_positions = jnp.where(in_item, positions[_item_token_ids(work, block_q, token_seq.shape[0])],
+                              _NO_POSITION)  # i32[W, block_q]
+    row_positions = jnp.repeat(row_positions, group, axis=1)  # i32[W, block_q * group]
+    row_positions = jnp.pad(row_positions, ((0, 0), (0, rows - block_q * group)), constant_values=_NO_POSITION)
+    max_pages = block_tables.shape[1]
+    table_pages = max(tuning.pages_per_block, next_power_of_two(max_pages))
+    tables = jnp.pad(block_tables, ((0, 0), (0, table_pages - max_pages)))[work.seq_row]  # i32[W, table_pages]
+    lengths = jnp.where(work.num_tokens > 0, seq_lens[work.seq_row], 0)  # i32[W]
+    return PrefillPlan(work=work, row_positions=row_positions, tables=tables, lengths=lengths, tuning=tuning,
+                       group=group)
+
+
+def _item_token_ids(work: WorkList, block_q: int, tokens: int) -> jax.Array:  # i32[W, block_q]
+    """The batch index of each item's tokens (clipped into range for the rows past an item's last token)."""
+    return jnp.clip(work.first_token[:, None] + jnp.arange(block_q)[None, :], 0, tokens - 1)
+
+
+def _check_layout(block_tables, seq_lens, token_seq, positions):
+    """Raises ValueError naming the first layout array that the kernel cannot take."""
+    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be i32[S, max_pages], got {block_tables.dtype}{block_tables.shape}")
+    tokens, seqs = token_seq.shape[0], block_tables.shape[0]
+    if seq_lens.shape != (seqs,) or seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens must be i32[{seqs}], got {seq_lens.dtype}{seq_lens.shape}")
+    for name, array in (("token_seq", token_seq), ("positions", positions)):
+        if array.shape != (tokens,) or array.dtype != jnp.int32:
+            raise ValueError(f"{name} must be i32[{tokens}], got {array.dtype}{array.shape}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Wrapper
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _item_queries(q, positions, work: WorkList, kv_heads: int, block_q: int, rows: int):
-    """Queries f[W, kv_heads, rows, head_dim] (row = token * group + head in group) and row positions i32[W, rows]."""
-    tokens, heads, head_dim = q.shape
-    group = heads // kv_heads
-    in_item = jnp.arange(block_q)[None, :] < work.num_tokens[:, None]  # bool[W, block_q]
-    token_ids = jnp.clip(work.first_token[:, None] + jnp.arange(block_q)[None, :], 0, tokens - 1)  # i32[W, block_q]
-    item_q = jnp.where(in_item[..., None, None], q[token_ids], jnp.zeros((), q.dtype))  # f[W, block_q, heads, D]
+def _item_queries(q, plan: PrefillPlan, kv_heads: int) -> jax.Array:  # f[W, kv_heads, rows, head_dim]
+    """Each item's queries, row = token * group + head in group, zero-padded rows."""
+    tokens, _, head_dim = q.shape
+    block_q, group, rows = plan.tuning.block_q, plan.group, plan.row_positions.shape[1]
+    in_item = jnp.arange(block_q)[None, :] < plan.work.num_tokens[:, None]  # bool[W, block_q]
+    item_q = q[_item_token_ids(plan.work, block_q, tokens)]  # f[W, block_q, heads, D]
+    item_q = jnp.where(in_item[..., None, None], item_q, jnp.zeros((), q.dtype))
     item_q = item_q.reshape(-1, block_q, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     item_q = item_q.reshape(-1, kv_heads, block_q * group, head_dim)  # f[W, kv_heads, block_q * group, D]
-    item_q = jnp.pad(item_q, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))
-    row_positions = jnp.where(in_item, positions[token_ids], _NO_POSITION)  # i32[W, block_q]
-    row_positions = jnp.repeat(row_positions, group, axis=1)  # i32[W, block_q * group]
-    row_positions = jnp.pad(row_positions, ((0, 0), (0, rows - block_q * group)), constant_values=_NO_POSITION)
-    return item_q, row_positions
-
-
-def _item_tables(block_tables, seq_lens, work: WorkList, pages_per_block: int):
-    """Block tables i32[W, table_pages] (padded with the null page to a power of two, at least one block) and
-    lengths i32[W] (0 for empty items) of each item's sequence."""
-    max_pages = block_tables.shape[1]
-    table_pages = max(pages_per_block, next_power_of_two(max_pages))
-    tables = jnp.pad(block_tables, ((0, 0), (0, table_pages - max_pages)))[work.seq_row]  # i32[W, table_pages]
-    lengths = jnp.where(work.num_tokens > 0, seq_lens[work.seq_row], 0)  # i32[W]
-    return tables, lengths
+    return jnp.pad(item_q, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))
 
 
 def _prefill_items(
     item_q: jax.Array,  # f[W, kv_heads, rows, head_dim]
-    row_positions: jax.Array,  # i32[W, rows]
     k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim]
-    tables: jax.Array,  # i32[W, table_pages]
-    lengths: jax.Array,  # i32[W]
+    plan: PrefillPlan,
+    page_offset: jax.Array,  # i32[1]
     window: jax.Array | None,  # i32[1]: slots a query sees, itself included; None: every slot before it
     *,
     sm_scale: float,
     logits_soft_cap: float | None,
-    tuning: PrefillTuning,
     interpret: bool,
 ) -> jax.Array:  # f[W, kv_heads, rows, head_dim]
     """The pallas_call over the static grid (kv_head, work item)."""
     items, kv_heads, rows, head_dim = item_q.shape
     _, num_pages, page_size, _ = k_pages.shape
+    tuning = plan.tuning
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda h, w: (h, 0, 0, 0))
     rows_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (w, h, 0, 0))
+    scalar_spec = pl.BlockSpec((1,), lambda h, w: (0,))
     kernel = functools.partial(_paged_prefill_kernel, softmax=OnlineSoftmax(sm_scale, logits_soft_cap, not interpret),
                                pages_per_block=tuning.pages_per_block, windowed=window is not None)
     window_inputs = [] if window is None else [window]
@@ -298,16 +351,17 @@ def _prefill_items(
             pl.BlockSpec((None, rows), lambda h, w: (w, 0)),
             pool_spec,
             pool_spec,
-            pl.BlockSpec((None, tables.shape[1]), lambda h, w: (w, 0)),
+            pl.BlockSpec((None, plan.tables.shape[1]), lambda h, w: (w, 0)),
             pl.BlockSpec((1,), lambda h, w: (w,)),
-        ] + [pl.BlockSpec((1,), lambda h, w: (0,))] * len(window_inputs),
+            scalar_spec,
+        ] + [scalar_spec] * len(window_inputs),
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(item_q.shape, item_q.dtype),
         # Explicit Triton parameters: without them a GPU pallas_call may pick another GPU backend.
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name=tuning.kernel_name,
-    )(item_q, row_positions, k_pages, v_pages, tables, lengths, *window_inputs)
+    )(item_q, plan.row_positions, k_pages, v_pages, plan.tables, plan.lengths, page_offset, *window_inputs)
 
 
 def _token_outputs(item_out, work: WorkList, tokens: int, group: int) -> jax.Array:  # f[T, heads, head_dim]
@@ -321,22 +375,45 @@ def _token_outputs(item_out, work: WorkList, tokens: int, group: int) -> jax.Arr
     return out.reshape(tokens, kv_heads * group, head_dim)
 
 
-def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, sliding_window,
-                  tuning: PrefillTuning):
-    """Raises ValueError naming the first input that the kernel cannot take."""
-    check_pool(q, k_pages, v_pages, block_tables, tuning.pages_per_block)
+def _check_planned_call(q, k_pages, v_pages, plan: PrefillPlan, sliding_window):
+    """Raises ValueError naming the first input that the kernel, or this plan, cannot take."""
+    check_pool(q, k_pages, v_pages, plan.tables, plan.tuning.pages_per_block)
     check_window(sliding_window)
-    tokens, seqs = q.shape[0], block_tables.shape[0]
-    if seq_lens.shape != (seqs,) or seq_lens.dtype != jnp.int32:
-        raise ValueError(f"seq_lens must be i32[{seqs}], got {seq_lens.dtype}{seq_lens.shape}")
-    for name, array in (("token_seq", token_seq), ("positions", positions)):
-        if array.shape != (tokens,) or array.dtype != jnp.int32:
-            raise ValueError(f"{name} must be i32[{tokens}], got {array.dtype}{array.shape}")
+    group = q.shape[1] // k_pages.shape[0]
+    if group != plan.group:
+        raise ValueError(f"the plan was made for {plan.group} query heads per KV head, the call has {group}")
+    if plan.work.token_item.shape[0] != q.shape[0]:
+        raise ValueError(f"the plan was made for {plan.work.token_item.shape[0]} tokens, q has {q.shape[0]}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap", "interpret"))
+def planned_prefill_attention(
+    q: jax.Array,  # f[T, heads, head_dim], already rotated
+    k_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim], this step's K already written
+    v_pages: jax.Array,  # f[kv_heads, num_pages, page_size, head_dim], this step's V already written
+    plan: PrefillPlan,
+    *,
+    page_offset: jax.Array | int = 0,  # i32[]: added to every block-table entry of the plan
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+    sliding_window: jax.Array | int | None = None,  # i32[] or int: slots a query sees, itself included
+    interpret: bool = False,
+) -> jax.Array:  # f[T, heads, head_dim], q's dtype
+    """`paged_prefill_attention` with its plan made beforehand (`plan_prefill`), for block tables plus
+    `page_offset`: a model reading one layer's pages of a pool that holds every layer passes the layer's first page
+    here, so one plan serves all its layers."""
+    _check_planned_call(q, k_pages, v_pages, plan, sliding_window)
+    tokens = q.shape[0]
+    item_q = _item_queries(q, plan, k_pages.shape[0])
+    offset = jnp.asarray(page_offset, jnp.int32).reshape(1)
+    item_out = _prefill_items(item_q, k_pages, v_pages, plan, offset, window_input(sliding_window),
+                              sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, interpret=interpret)
+    return _token_outputs(item_out, plan.work, tokens, plan.group)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap", "tuning", "interpret"))
@@ -365,17 +442,14 @@ def paged_prefill_attention(
     and slots a query may not see never reach its output, whatever they hold (NaN included). `interpret=True` runs
     the kernel on any backend (CPU included) for testing.
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, token_seq, positions, sliding_window, tuning)
-    tokens, heads, head_dim = q.shape
+    _check_layout(block_tables, seq_lens, token_seq, positions)
+    if q.shape[0] != token_seq.shape[0]:
+        raise ValueError(f"token_seq must be i32[{q.shape[0]}], got {token_seq.dtype}{token_seq.shape}")
     kv_heads = k_pages.shape[0]
-    group = heads // kv_heads
-    rows = padded_rows(tuning.block_q * group)
-    work = build_work_list(token_seq, block_tables.shape[0], tuning.block_q)
-    item_q, row_positions = _item_queries(q, positions, work, kv_heads, tuning.block_q, rows)
-    tables, lengths = _item_tables(block_tables, seq_lens, work, tuning.pages_per_block)
-    item_out = _prefill_items(item_q, row_positions, k_pages, v_pages, tables, lengths, window_input(sliding_window),
-                              sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, tuning=tuning, interpret=interpret)
-    return _token_outputs(item_out, work, tokens, group)
+    group = max(1, q.shape[1] // kv_heads)
+    plan = plan_prefill(block_tables, seq_lens, token_seq, positions, group=group, tuning=tuning)
+    return planned_prefill_attention(q, k_pages, v_pages, plan, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                                     sliding_window=sliding_window, interpret=interpret)
 
 
 # ---------------------------------------------------------------------------------------------------------------

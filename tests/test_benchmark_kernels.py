@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import kernels as kernel_benchmark  # noqa: E402
 from kernels import AttentionShape, Batch, decode_batch, prefill_batch  # noqa: E402
-from tests.cuda_lowering import export_for_h100, triton_calls  # noqa: E402
+from tests.cuda_lowering import CUDNN_ATTENTION_TARGET, export_for_h100, triton_calls  # noqa: E402
 
 # 4 query heads over 2 KV heads of 8, pages of 16 tokens, bf16: one token slot's K and V are 2 * 2 * 8 * 2 = 64 B.
 SHAPE = AttentionShape(heads=4, kv_heads=2, head_dim=8, page_size=16, dtype="bfloat16")
@@ -134,7 +134,13 @@ def test_every_swept_variant_lowers_for_an_h100(grid, batch):
     for variant in variants_for(batch, settings):
         arguments = jax.eval_shape(variant.arguments, inputs)
         exported = export_for_h100(variant.run, *arguments)
-        assert triton_calls(exported) >= (0 if variant.implementation == "xla" else 1), variant.label
+        if variant.implementation == "cudnn":
+            assert triton_calls(exported, CUDNN_ATTENTION_TARGET) == 1, variant.label
+        else:
+            assert triton_calls(exported) >= (0 if variant.implementation == "xla" else 1), variant.label
+    if grid == "prefill":  # cuDNN joins where no prompt has a cached prefix
+        implementations = {variant.implementation for variant in variants_for(batch, settings)}
+        assert ("cudnn" in implementations) == (batch.seq_lens == batch.query_lens), implementations
 
 
 def _tiny_settings(**changes):

@@ -228,6 +228,20 @@ def test_no_program_is_rematerialized_at_the_presets_memory_sized_pool(audits, k
     assert audits[key].rematerialized == 0
 
 
+# Launches in each layer of the 8B preset's decode and mixed programs: norms, projections, rotary, the KV write, the
+# attention kernel with its query and output gathers, the MLP. Planning the attention kernel's work items inside
+# every layer (a dozen small fusions: cumulative sums, scatters, pads) made it 28-36 per layer at 64 rows; the
+# plan is made once per step now (PagedKVCache.with_metadata), and the programs launch 19-25 per layer.
+MAX_LAUNCHES_PER_LAYER = 26
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("program", [p for p in LLAMA_8B.programs if p.startswith(("decode", "mixed"))])
+def test_a_layer_launches_only_its_own_work(audits, program):
+    launches = audits[engine_key(LLAMA_8B, program)].launches
+    assert 0 < launches.per_layer <= MAX_LAUNCHES_PER_LAYER, launches
+
+
 @needs_cuda_plugin
 def test_every_decoder_program_holds_one_layer_loop_with_the_model_depth(audits):
     """The step programs scan the layers: one loop of the model's depth (32 or 80), so their size never grows with

@@ -19,7 +19,7 @@ from jaxserve.schedule import NULL_PAGE
 from kernels_pallas import paged_decode_reference, paged_prefill_reference
 from kernels_pallas.common import MAX_DEFAULT_KEY_SLOTS, MAX_DEFAULT_TILE_BYTES, MIN_DOT_DIM, check_pool
 from kernels_pallas.paged_prefill import (MAX_DEFAULT_ROWS, PrefillTuning, build_work_list, default_prefill_tuning,
-                                          paged_prefill_attention)
+                                          paged_prefill_attention, plan_prefill, planned_prefill_attention)
 from tests.cuda_lowering import export_for_h100, triton_calls
 
 
@@ -167,6 +167,31 @@ def test_logits_soft_cap_on_decode_tokens():
     assert not np.allclose(expected, paged_decode_reference(q, step.k_pages, step.v_pages,
                                                             step.metadata.block_tables, lengths, sm_scale=2.0),
                            atol=1e-3)
+
+
+def test_one_plan_serves_every_layer_through_its_page_offset():
+    """A plan cut from the step's own block tables, used on a pool of two layers (layer 1's pages after layer 0's)
+    with each layer's page offset, gives each layer's own attention."""
+    first = ragged_step(21, jnp.float32, 4, 64)
+    # Layer 1 holds other K/V in the same slots (zeros and NaN where layer 0 has them), and other queries.
+    layers = [first, first._replace(q=first.q[::-1], k_pages=-1.5 * first.k_pages, v_pages=2.0 * first.v_pages)]
+    num_pages = first.k_pages.shape[1]
+    k_pool = jnp.concatenate([step.k_pages for step in layers], axis=1)  # f32[kv_heads, 2 * num_pages, ...]
+    v_pool = jnp.concatenate([step.v_pages for step in layers], axis=1)
+    m = first.metadata
+    plan = plan_prefill(m.block_tables, m.seq_lens, m.token_seq, first.positions, group=4, tuning=TUNING)
+    for layer, step in enumerate(layers):
+        out = planned_prefill_attention(step.q, k_pool, v_pool, plan, page_offset=layer * num_pages, sm_scale=0.125,
+                                        interpret=True)
+        assert_matches(out, reference(step, 0.125), jnp.float32)
+
+
+def test_a_plan_refuses_a_call_of_another_shape():
+    step = ragged_step(23, jnp.float32, 4, 64)
+    m = step.metadata
+    plan = plan_prefill(m.block_tables, m.seq_lens, m.token_seq, step.positions, group=2, tuning=TUNING)
+    with pytest.raises(ValueError, match="plan was made for 2 query heads per KV head, the call has 4"):
+        planned_prefill_attention(step.q, step.k_pages, step.v_pages, plan, sm_scale=0.125, interpret=True)
 
 
 def test_work_list_cuts_runs_into_query_blocks():

@@ -1,6 +1,7 @@
 """Kernel speed, by benchmarks/kernels.py on a few chosen points (one run per attention shape): decode as a fraction of
 the copy bandwidth measured in the same run, prefill as a fraction of the matmul rate, each against JAX's shipped
-Pallas paged-attention op (decode) and the XLA paged attention. The runs' whole reports are kept in the figures."""
+Pallas paged-attention op (decode), cuDNN's fused flash attention (prompts with no cached prefix) and the XLA paged
+attention. The runs' whole reports are kept in the figures."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 from gpu_parts.context import PartContext, PartOutcome, markdown_table, run_benchmark_script
 
-IMPLEMENTATIONS = ("pallas", "pallas_mixed", "shipped", "xla")  # ours (decode / mixed kernel), JAX's op, XLA
+# ours (decode / mixed kernel), JAX's op, cuDNN's flash attention, XLA
+IMPLEMENTATIONS = ("pallas", "pallas_mixed", "shipped", "cudnn", "xla")
 
 
 def run(context: PartContext, runs: dict[str, list[str]]) -> PartOutcome:
@@ -36,6 +38,7 @@ def point_rows(reports: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                     "seconds": {name: best[name]["median_s"] for name in IMPLEMENTATIONS if name in best},
                     "fractions": {name: best[name][fraction] for name in IMPLEMENTATIONS if name in best},
                     "pallas_fraction": best.get("pallas", {}).get(fraction),
+                    "pallas_best": best.get("pallas", {}).get("label"),
                     "speedup_vs_shipped": point.get("speedup_vs_shipped"),
                     "speedup_vs_xla": point.get("speedup_vs_xla"),
                     "failed": point.get("error") or point.get("skipped"),
@@ -62,13 +65,14 @@ def microseconds(row: dict[str, Any], name: str) -> str:
     return "-" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
-TABLE_HEADER = ["run", "point", "pallas us", "of ceiling", "mixed us", "shipped us", "xla us", "vs shipped", "vs xla",
-                "not measured"]
+TABLE_HEADER = ["run", "point", "pallas us", "of ceiling", "fastest pallas tuning", "mixed us", "shipped us",
+                "cudnn us", "cudnn of ceiling", "xla us", "vs shipped", "vs xla", "not measured"]
 
 
 def table_row(row: dict[str, Any]) -> list[str]:
     return [row["run"], row["point"], microseconds(row, "pallas"), percent(row["pallas_fraction"]),
-            microseconds(row, "pallas_mixed"), microseconds(row, "shipped"), microseconds(row, "xla"),
+            row.get("pallas_best") or "-", microseconds(row, "pallas_mixed"), microseconds(row, "shipped"),
+            microseconds(row, "cudnn"), percent(row["fractions"].get("cudnn")), microseconds(row, "xla"),
             ratio(row["speedup_vs_shipped"]), ratio(row["speedup_vs_xla"]), (row["failed"] or "")[:80]]
 
 

@@ -46,7 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import PALLAS_BACKEND, PALLAS_INTERPRET_BACKEND, XLA_BACKEND
 from jaxserve.model.kv_quantization import KVScales, is_float8, to_pool_dtype
-from kernels_pallas import default_prefill_tuning, paged_prefill_attention
+from kernels_pallas import (PrefillPlan, default_prefill_tuning, paged_prefill_attention, plan_prefill,
+                            planned_prefill_attention)
 
 PADDING_SLOT = -1  # slot_mapping value of padding tokens; mapped past the pool's end so their writes are dropped
 # Query-key pairs per block of the reference's page loop: bounds its gathered K/V to this many slots per KV head.
@@ -67,6 +68,11 @@ class PagedAttentionMetadata:
     token_seq: jax.Array  # i32[T]: row of the token's sequence in block_tables / seq_lens
     block_tables: jax.Array  # i32[S, max_pages]: the sequence's pages in order; unused entries are 0 (null page)
     seq_lens: jax.Array  # i32[S]: tokens in the cache for the sequence after this step's writes; 0 for padding rows
+    # The Pallas kernel's work items for this layout, planned once per step (PagedKVCache.with_metadata) over the
+    # block tables before any layer offset; None: the kernel plans per call
+    kernel_plan: PrefillPlan | None = None
+    # i32[]: what layer_view added to block_tables and slot_mapping's pages (the layer's first page); None: nothing
+    page_offset: jax.Array | None = None
 
 
 class PagedAttentionFn(Protocol):
@@ -107,7 +113,7 @@ def layer_view(
     slot_mapping = jnp.where(metadata.slot_mapping >= 0, metadata.slot_mapping + page_offset * page_size,
                              metadata.slot_mapping)
     return flat, dataclasses.replace(metadata, block_tables=metadata.block_tables + page_offset,
-                                     slot_mapping=slot_mapping)
+                                     slot_mapping=slot_mapping, page_offset=page_offset)
 
 
 def paged_attention_xla(
@@ -224,21 +230,30 @@ def _online_softmax_step(
 
 
 def _pallas_attention(interpret: bool) -> PagedAttentionFn:
-    """The Pallas mixed prefill/decode kernel behind the cache's attention interface."""
+    """The Pallas mixed prefill/decode kernel behind the cache's attention interface: with the step's plan when the
+    metadata carries one (the layer's page offset applied in the kernel), else planned for this call alone."""
 
     def attend(q, k_pages, v_pages, metadata: PagedAttentionMetadata, positions, scale, window=None):
-        tokens, heads, head_dim = q.shape
-        kv_heads, _, page_size, _ = k_pages.shape
-        num_seqs, max_pages = metadata.block_tables.shape
-        # Shapes are static under jit, so every bucket's program is traced with the tuning for its own shape.
-        tuning = default_prefill_tuning(num_tokens=tokens, num_seqs=num_seqs, group=heads // kv_heads,
-                                        max_pages_per_seq=max_pages, page_size=page_size, head_dim=head_dim,
-                                        dtype=k_pages.dtype)
+        if metadata.kernel_plan is not None:
+            offset = 0 if metadata.page_offset is None else metadata.page_offset
+            return planned_prefill_attention(q, k_pages, v_pages, metadata.kernel_plan, page_offset=offset,
+                                             sm_scale=scale, sliding_window=window, interpret=interpret)
+        tuning = kernel_tuning(metadata, q.shape[1], k_pages)
         return paged_prefill_attention(q, k_pages, v_pages, metadata.block_tables, metadata.seq_lens,
                                        metadata.token_seq, positions, sm_scale=scale, sliding_window=window,
                                        tuning=tuning, interpret=interpret)
 
     return attend
+
+
+def kernel_tuning(metadata: PagedAttentionMetadata, heads: int, k_pages: jax.Array):
+    """The Pallas kernel's tuning for this step's shapes (static under jit, so every bucket's program is traced with
+    the tuning for its own shape); `k_pages` is any pool view f[kv_heads, ..., page_size, head_dim]."""
+    kv_heads, page_size, head_dim = k_pages.shape[0], k_pages.shape[-2], k_pages.shape[-1]
+    num_seqs, max_pages = metadata.block_tables.shape
+    return default_prefill_tuning(num_tokens=metadata.token_seq.shape[0], num_seqs=num_seqs, group=heads // kv_heads,
+                                  max_pages_per_seq=max_pages, page_size=page_size, head_dim=head_dim,
+                                  dtype=k_pages.dtype)
 
 
 ATTENTION_BACKENDS: types.MappingProxyType[str, PagedAttentionFn] = types.MappingProxyType({
@@ -306,7 +321,16 @@ class PagedKVCache:
     def page_size(self) -> int:
         return self.k_pages.shape[3]
 
-    def with_metadata(self, metadata: PagedAttentionMetadata) -> PagedKVCache:
+    def with_metadata(self, metadata: PagedAttentionMetadata, positions: jax.Array | None = None,
+                      num_query_heads: int | None = None) -> PagedKVCache:
+        """The pool with this step's metadata attached. Given the step's positions (i32[T]) and the model's query
+        heads, a Pallas backend plans its kernel's work items here, once for every layer of the step (built in
+        each layer's call instead, they are a dozen small launches per layer)."""
+        if positions is not None and num_query_heads is not None and self.attention_backend != XLA_BACKEND:
+            tuning = kernel_tuning(metadata, num_query_heads, self.k_pages)
+            group = num_query_heads // self.k_pages.shape[0]
+            metadata = dataclasses.replace(metadata, kernel_plan=plan_prefill(
+                metadata.block_tables, metadata.seq_lens, metadata.token_seq, positions, group=group, tuning=tuning))
         return dataclasses.replace(self, metadata=metadata)
 
     def without_metadata(self) -> PagedKVCache:

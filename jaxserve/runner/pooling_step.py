@@ -72,7 +72,8 @@ def run_packed_pooling(graphdef: nnx.GraphDef, params: nnx.State,
     arrays: PoolingArrays = layout.unpack(packed)
     model = nnx.merge(graphdef, params)
     with jax.named_scope("layers"):
-        hidden, pool = model(arrays.token_ids[None], arrays.positions[None], pool.with_metadata(arrays.metadata))
+        step_pool = pool.with_metadata(arrays.metadata, arrays.positions, model.config.num_attention_heads)
+        hidden, pool = model(arrays.token_ids[None], arrays.positions[None], step_pool)
     hidden = hidden[0].astype(jnp.float32)  # f32[T, hidden]: the final norm's output, as HF's last_hidden_state
     num_rows = arrays.last_index.shape[0]
     with jax.named_scope("pool"):

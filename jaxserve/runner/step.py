@@ -163,8 +163,8 @@ def _run_layers(graphdef: nnx.GraphDef, params: nnx.State, pool: PagedKVCache, p
     tokens = jnp.where(arrays.pending_rows >= 0, previous_tokens[jnp.maximum(arrays.pending_rows, 0)],
                        arrays.token_ids)  # i32[T]
     with jax.named_scope("layers"):
-        hidden, pool = model(tokens[None], arrays.positions[None], pool.with_metadata(arrays.metadata), lora,
-                             arrays.lora_slots, stacked_gemm)
+        step_pool = pool.with_metadata(arrays.metadata, arrays.positions, model.config.num_attention_heads)
+        hidden, pool = model(tokens[None], arrays.positions[None], step_pool, lora, arrays.lora_slots, stacked_gemm)
     return model, hidden, pool
 
 

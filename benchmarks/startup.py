@@ -10,6 +10,11 @@ for the cold start and reused for the warm one. Weights (--weights):
 With the decoder layers scanned, a step program holds one layer, so start-up should barely grow with depth: the
 report's `depth_ratio` is ready time at the deepest over the shallowest, cold (target <= 1.3).
 
+With --store, two more starts per depth use a store of compiled programs (runner/program_store.py): one fills it
+(`--compiled DIR` on an empty folder compiles every program afresh and writes it), the next loads every program
+from it, tracing, lowering and compiling nothing. `store_ratio` is that start's ready time over the warm-cache start
+(the persistent compilation cache alone) at each depth.
+
     python benchmarks/startup.py --model llama-3.1-8b --layers 2 32 --max-num-seqs 64 \
         --max-num-batched-tokens 8192 --max-model-len 8192 --out startup.json --plot startup.png
 """
@@ -27,7 +32,8 @@ from typing import Any
 
 MODELS = ("llama-3.1-8b", "llama-3.1-70b", "builtin")
 CACHE_STATES = ("cold", "warm")
-PHASES = ("load_seconds", "lower_seconds", "compile_seconds")
+STORE_STATES = ("store fill", "store")  # with --store, after the cache states: fill the store, then start from it
+PHASES = ("load_seconds", "lower_seconds", "compile_seconds", "store_seconds")
 ABSTRACT_POOL_PAGES = 4097  # any size compiles the same programs; nothing is allocated
 
 
@@ -41,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--weights", choices=("auto", "abstract", "random"), default="auto",
                         help="auto: random on a GPU, abstract elsewhere")
+    parser.add_argument("--store", action="store_true",
+                        help="also time a start that fills a program store and one that loads from it")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="draw the phases per depth and cache state (PNG)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one measurement, in its own process
@@ -55,15 +63,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = []
     for layers in args.layers:
         with tempfile.TemporaryDirectory(prefix="jaxserve-startup-cache-") as cache_dir:
-            for cache_state in CACHE_STATES:
-                result = run_child(args, layers, cache_dir)
+            states = CACHE_STATES + (STORE_STATES if args.store else ())
+            for cache_state in states:
+                store_dir = str(Path(cache_dir) / "programs") if cache_state in STORE_STATES else None
+                result = run_child(args, layers, cache_dir, store_dir)
                 results.append({"layers": layers, "cache": cache_state, **result})
-                print(f"{layers:3d} layers, {cache_state} cache: ready in {result['ready_seconds']:.1f} s "
-                      f"({result['programs']} programs; load {result['load_seconds']:.1f} s, lower "
-                      f"{result['lower_seconds']:.1f} s, compile {result['compile_seconds']:.1f} s)", flush=True)
+                print(f"{layers:3d} layers, {cache_state}: ready in {result['ready_seconds']:.1f} s "
+                      f"({result['programs']} programs {result.get('sources', {})}; load {result['load_seconds']:.1f} "
+                      f"s, lower {result['lower_seconds']:.1f} s, compile {result['compile_seconds']:.1f} s)",
+                      flush=True)
     report = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "child")},
               "machine": results[0]["machine"], "results": results, "depth_ratio": depth_ratio(results)}
     print(f"depth ratio (cold, {max(args.layers)} over {min(args.layers)} layers): {report['depth_ratio']:.2f}")
+    if args.store:
+        report["store_ratio"] = store_ratios(results)
+        print("store start over warm-cache start: " + ", ".join(
+            f"{layers} layers {ratio:.2f}" for layers, ratio in report["store_ratio"].items()))
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2))
     if args.plot is not None:
@@ -71,18 +86,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
-def run_child(args: argparse.Namespace, layers: int, cache_dir: str) -> dict[str, Any]:
+def run_child(args: argparse.Namespace, layers: int, cache_dir: str, store_dir: str | None = None) -> dict[str, Any]:
     """One start-up in a fresh process; its stats."""
     child = dict(model=args.model, layers=layers, max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                 dtype=args.dtype, weights=args.weights, cache_dir=cache_dir)
+                 dtype=args.dtype, weights=args.weights, cache_dir=cache_dir, store_dir=store_dir)
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], check=True, capture_output=True,
                           text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def measure(model: str, layers: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, dtype: str,
-            weights: str, cache_dir: str) -> dict[str, Any]:
+            weights: str, cache_dir: str, store_dir: str | None = None) -> dict[str, Any]:
     """Runs in the child: builds the engine's runner for the model's shapes at `layers` layers and times it."""
     import dataclasses
 
@@ -97,7 +112,7 @@ def measure(model: str, layers: int, max_num_seqs: int, max_num_batched_tokens: 
     if weights == "auto":
         weights = "random" if jax.default_backend() == "gpu" else "abstract"
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, compilation_cache_dir=cache_dir,
+                          max_model_len=max_model_len, compilation_cache_dir=cache_dir, compiled_dir=store_dir,
                           num_kv_pages=ABSTRACT_POOL_PAGES if weights == "abstract" else None,
                           ).with_model_limit(plan.config.max_position_embeddings)
     if weights == "random":
@@ -110,17 +125,21 @@ def measure(model: str, layers: int, max_num_seqs: int, max_num_batched_tokens: 
 
 
 def compile_only(plan, config) -> dict[str, Any]:
-    """The runner's warm-up alone, against abstract weights and pool: start-up minus reading and allocating."""
-    from jaxserve.engine.startup import enable_compilation_cache
+    """The runner's warm-up alone, against abstract weights and pool: start-up minus reading and allocating (with
+    the program store, when the config names one)."""
+    import dataclasses
+
+    from jaxserve.engine.startup import enable_compilation_cache, open_program_store
     from jaxserve.runner.model_runner import ModelRunner
 
     started = time.perf_counter()
     enable_compilation_cache(config)
     runner = ModelRunner(plan.config, plan.graphdef, plan.abstract_params, plan.dtype, config, plan.mesh)
-    runner.warm_up(config.num_kv_pages, progress=False)
+    runner.warm_up(config.num_kv_pages, progress=False, store=open_program_store(config, runner))
     warmup = runner.programs.stats
     return {"programs": warmup.programs, "load_seconds": 0.0, "lower_seconds": warmup.lower_seconds,
-            "compile_seconds": warmup.compile_seconds, "ready_seconds": time.perf_counter() - started}
+            "compile_seconds": warmup.compile_seconds, "store_seconds": warmup.store_seconds,
+            "sources": dataclasses.asdict(warmup.sources), "ready_seconds": time.perf_counter() - started}
 
 
 def random_model_plan(model: str, layers: int, dtype: str):
@@ -142,6 +161,13 @@ def random_model_plan(model: str, layers: int, dtype: str):
                      lambda progress: sharded_random_params(layout, target, seed=0, init_std=0.02)[1])
 
 
+def store_ratios(results: list[dict[str, Any]]) -> dict[int, float]:
+    """Per depth: ready time of the start from the store over that of the start with a warm compilation cache."""
+    ready = {(r["layers"], r["cache"]): r["ready_seconds"] for r in results}
+    return {layers: ready[layers, "store"] / ready[layers, "warm"]
+            for layers in sorted({r["layers"] for r in results}) if (layers, "store") in ready}
+
+
 def depth_ratio(results: list[dict[str, Any]]) -> float:
     """Cold ready time at the deepest model over the shallowest."""
     cold = {r["layers"]: r["ready_seconds"] for r in results if r["cache"] == "cold"}
@@ -158,7 +184,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(1.6 * len(results) + 2, 4))
     bottom = [0.0] * len(results)
     for phase in PHASES:
-        heights = [r[phase] for r in results]
+        heights = [r.get(phase, 0.0) for r in results]
         axes.bar(labels, heights, bottom=bottom, label=phase.removesuffix("_seconds"))
         bottom = [b + h for b, h in zip(bottom, heights)]
     axes.plot(labels, [r["ready_seconds"] for r in results], "k_", markersize=30, label="ready (phases overlap)")

@@ -75,3 +75,16 @@ def test_the_startup_benchmark_reports_phases_and_the_depth_ratio(tmp_path):
         assert result["programs"] > 0 and result["weights"] == "abstract"
         assert result["ready_seconds"] >= result["compile_seconds"] > 0
     assert report["depth_ratio"] > 0
+
+
+def test_a_start_from_the_program_store_compiles_nothing_and_is_timed_against_the_warm_cache(tmp_path):
+    report = startup_benchmark.main(["--model", "builtin", "--layers", "1", "--max-num-seqs", "1",
+                                     "--max-num-batched-tokens", "16", "--max-model-len", "64", "--dtype", "float32",
+                                     "--store"])
+    states = {r["cache"]: r for r in report["results"]}
+    assert list(states) == ["cold", "warm", "store fill", "store"]
+    programs = states["cold"]["programs"]
+    assert states["store fill"]["sources"]["compiled"] == programs  # filling compiles afresh, cache off
+    assert states["store"]["sources"] == {"store": programs, "cache": 0, "compiled": 0}
+    assert states["store"]["lower_seconds"] == 0 and states["store"]["store_seconds"] > 0
+    assert set(report["store_ratio"]) == {1} and report["store_ratio"][1] > 0

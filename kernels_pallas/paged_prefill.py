@@ -11,8 +11,11 @@ of fixed length W: each work item is up to `block_q` consecutive tokens of ONE s
 sequence is cut into blocks of block_q; the last block of a run may be short, and unused items are empty). The
 grid is static (kv_head, work item); each program loads its item's queries for all query heads of its KV head
 (rows = block_q * group, padded to a power of two of at least 16 for Triton's dot), loops over the sequence's
-pages up to the item's last visible slot with an online float32 softmax and a per-row causal mask, and writes its
-rows. XLA then scatters the item rows back to token order.
+pages up to the item's last visible slot with an online float32 softmax (key blocks every row sees wholly without a
+mask, the others with a per-row causal mask), and writes its rows. XLA then gathers the item rows back to token
+order. The work list, the rows' positions and the items' block tables depend on the batch layout alone: they form
+a `PrefillPlan` (`plan_prefill`), which a model makes once per step and passes to every layer's call
+(`planned_prefill_attention`, with the layer's first page as an offset into a pool that holds every layer).
 
 The work list is derived from token_seq alone: a work item never spans a change of token_seq, and tokens of one
 sequence must be contiguous (as `PagedAttentionMetadata` promises). Positions are read per query row, so they need
@@ -20,7 +23,7 @@ not be consecutive within a run (padding tokens that share the last real row at 
 R runs of equal token_seq the list needs at most T // block_q + R items; W = min(T, T // block_q + S) covers any
 batch whose rows are contiguous.
 
-File order: kernel, work list, wrapper (pallas_call), public API.
+File order: kernel, work list, plan, wrapper (pallas_call), public API, reference.
 """
 
 from __future__ import annotations

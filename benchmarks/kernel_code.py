@@ -1,6 +1,6 @@
-"""The machine code of the Pallas attention kernels at Llama-3.1-8B's heads, compiled for an H100 or H200 target on
-any machine (no GPU): registers, spills, tensor-core instructions, and what each loop pass issues against the
-tensor-core time it feeds.
+"""The machine code of the Pallas kernels at Llama-3.1-8B's shapes (attention heads; the quantized GEMMs at the
+gate projection), compiled for an H100 or H200 target on any machine (no GPU): registers, spills, tensor-core
+instructions, and what each attention loop pass issues against the tensor-core time it feeds.
 
 XLA:GPU compiles each point as the engine's pallas backend calls it (the engine's default tuning for the shape),
 ptxas included; jaxserve/gpu_programs/machine_code.py reads the binaries with NVIDIA's cuobjdump and nvdisasm.
@@ -39,10 +39,10 @@ class Point:
     """One kernel call: a ragged batch of `seqs` rows, each bringing `tokens` query tokens after `prior` cached."""
 
     name: str
-    kernel: str  # "prefill" (the mixed kernel) or "decode"
-    seqs: int
-    tokens: int  # query tokens per row this call
-    prior: int  # tokens each row has cached before the call
+    kernel: str  # "prefill" (the mixed kernel), "decode", or a GEMM over stacked weights: "int8" (W8A16), "int4"
+    seqs: int  # attention: sequence rows; GEMMs: 1
+    tokens: int  # attention: query tokens per row this call; GEMMs: rows of x
+    prior: int  # attention: tokens each row has cached before the call; GEMMs: 0
 
 
 # The tuning follows tokens per row (T / S): one long prompt, then the engine's mixed buckets of 64 rows from
@@ -53,7 +53,12 @@ POINTS = (
     Point("mixed T=1024 S=64", "prefill", 64, 16, 2048),
     Point("mixed T=256 S=64", "prefill", 64, 4, 2048),
     Point("decode 64x2048", "decode", 64, 1, 2047),
+    Point("W8A16 gate_proj T=1", "int8", 1, 1, 0),
+    Point("W8A16 gate_proj T=64", "int8", 1, 64, 0),
+    Point("W4A16 g128 gate_proj T=1", "int4", 1, 1, 0),
+    Point("W4A16 g128 gate_proj T=64", "int4", 1, 64, 0),
 )
+HIDDEN, INTERMEDIATE, LAYERS, GROUP_SIZE = 4096, 14336, 32, 128  # Llama-3.1-8B's MLP, a 4-bit checkpoint's groups
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -87,14 +92,26 @@ def compile_point(point: Point, target_name: str) -> dict[str, Any]:
     function, avals, tuning, rows, flops_per_pass = _call(point, NamedSharding(mesh, PartitionSpec()))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         lowered = jax.jit(function).lower(*avals)
-    [kernel] = [k for k in compiled_kernels(lowered) if k.name == tuning.kernel_name]
-    tensor_clocks = flops_per_pass / FLOPS_PER_SM_CLOCK
-    loops = [{"instructions": loop.instructions, "hgmma": loop.count("HGMMA"), "hmma": loop.count("HMMA"),
-              "mufu": loop.count("MUFU"),
-              "issue_per_mma": round(loop.instructions * tuning.num_warps / SCHEDULERS_PER_SM / tensor_clocks, 3)}
-             for loop in kernel.loops if loop.count("HGMMA", "HMMA")]
+    [kernel] = [k for k in compiled_kernels(lowered) if k.name == _kernel_name(tuning, point, rows)]
+    loops = []
+    for loop in kernel.loops:
+        if not loop.count("HGMMA", "HMMA"):
+            continue
+        figures = {"instructions": loop.instructions, "hgmma": loop.count("HGMMA"), "hmma": loop.count("HMMA"),
+                   "mufu": loop.count("MUFU")}
+        if flops_per_pass:  # attention: one pass folds one key block (GEMMs are bound by reading their weights)
+            issue_clocks = loop.instructions * tuning.num_warps / SCHEDULERS_PER_SM
+            figures["issue_per_mma"] = round(issue_clocks / (flops_per_pass / FLOPS_PER_SM_CLOCK), 3)
+        loops.append(figures)
     return {"point": point.name, "tuning": dataclasses.asdict(tuning), "rows": rows, **kernel.summary(),
             "loops": loops}
+
+
+def _kernel_name(tuning, point: Point, rows: int) -> str:
+    """The pallas_call's name: the tuning's, or int4_matmul's (rows x output channels of its program)."""
+    if point.kernel == "int4":
+        return f"int4_matmul_{tuning.block_t}x{tuning.block_out}"
+    return tuning.kernel_name
 
 
 def _call(point: Point, sharding):
@@ -111,6 +128,9 @@ def _call(point: Point, sharding):
 
     def aval(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    if point.kernel in ("int8", "int4"):
+        return _gemm_call(point, aval)
 
     max_pages = MAX_MODEL_LEN // PAGE_SIZE
     num_pages = point.seqs * -(-(point.prior + point.tokens) // PAGE_SIZE) + 1
@@ -134,13 +154,37 @@ def _call(point: Point, sharding):
     return function, avals, tuning, rows, 2 * 2 * rows * slots * HEAD_DIM  # q·kᵀ and p·v
 
 
+def _gemm_call(point: Point, aval):
+    """The engine's gate projection through the W8A16 or W4A16 kernel, reading layer 0 of the stacked weights."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from kernels_pallas.int4_matmul import int4_matmul
+    from kernels_pallas.quantized_matmul import default_tuning, quantized_matmul
+
+    x, layer = aval((point.tokens, HIDDEN), jnp.bfloat16), aval((), jnp.int32)
+    tuning = default_tuning(point.tokens, HIDDEN, INTERMEDIATE)
+    if point.kernel == "int8":
+        weights = (aval((LAYERS, INTERMEDIATE, HIDDEN), jnp.int8), aval((LAYERS, INTERMEDIATE), jnp.float32))
+        function = functools.partial(quantized_matmul, tuning=tuning)
+    else:
+        weights = (aval((LAYERS, INTERMEDIATE, HIDDEN // 2), jnp.uint8),
+                   aval((LAYERS, INTERMEDIATE, HIDDEN // GROUP_SIZE), jnp.float32))
+
+        def function(x, q, scale, layer):  # symmetric: no zero points
+            return int4_matmul(x, q, scale, None, layer, group_size=GROUP_SIZE, tuning=tuning)
+    return function, (x, *weights, layer), tuning, tuning.block_t, 0
+
+
 def table(report: dict[str, Any]) -> str:
-    lines = [f"Pallas attention kernels compiled for {report['target']} (Llama-3.1-8B heads {HEADS}/{KV_HEADS}, "
-             f"head_dim {HEAD_DIM}, bf16)",
+    lines = [f"Pallas kernels compiled for {report['target']} (Llama-3.1-8B: heads {HEADS}/{KV_HEADS}, head_dim "
+             f"{HEAD_DIM}, bf16; GEMMs at the gate projection {HIDDEN} -> {INTERMEDIATE})",
              "| point | kernel | registers | local bytes | HGMMA / HMMA | loops: instructions, issue / MMA |",
              "|---|---|---|---|---|---|"]
     for p in report["points"]:
-        loops = "; ".join(f"{loop['instructions']}, {loop['issue_per_mma']:.2f}" for loop in p["loops"])
+        loops = "; ".join(f"{loop['instructions']}" + (f", {loop['issue_per_mma']:.2f}" if "issue_per_mma" in loop
+                                                        else "") for loop in p["loops"])
         lines.append(f"| {p['point']} | {p['kernel']} | {p['registers']} | {p['local_bytes']} | "
                      f"{p['hgmma']} / {p['hmma']} | {loops} |")
     return "\n".join(lines)

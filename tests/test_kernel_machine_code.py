@@ -1,5 +1,6 @@
-"""The machine code of the Pallas attention kernels, compiled for an H100 target on this machine (no GPU): what the
-GPU would run, read with NVIDIA's cuobjdump and nvdisasm (jaxserve/gpu_programs/machine_code.py).
+"""The machine code of the Pallas kernels (attention; the W8A16 and W4A16 GEMMs), compiled for an H100 target on this
+machine (no GPU): what the GPU would run, read with NVIDIA's cuobjdump and nvdisasm
+(jaxserve/gpu_programs/machine_code.py).
 
 Guards: no kernel spills registers to local memory; prefill tiles of 64 rows or more run on Hopper's asynchronous
 tensor cores (HGMMA), never the older mma.sync; and the prefill kernel's main loop issues fewer instruction clocks
@@ -43,7 +44,7 @@ def kernels(tmp_path_factory) -> dict[str, dict]:
     return {point["point"]: point for point in json.loads(out.read_text())["points"]}
 
 
-def test_no_attention_kernel_spills_registers(kernels):
+def test_no_kernel_spills_registers(kernels):
     spilled = {name: p["local_bytes"] for name, p in kernels.items() if p["local_bytes"]}
     assert not spilled, spilled
     assert all(p["registers"] <= 255 for p in kernels.values())

@@ -2,6 +2,7 @@
 
 import gc
 import os
+import sys
 
 import pytest
 
@@ -25,6 +26,19 @@ def release_each_modules_engines():
     """Collects each module's garbage as it ends. XLA:CPU maps about 230 memory regions per compiled program, and an
     engine compiles dozens: engines a finished module left in reference cycles, kept until Python's collector ran,
     pushed a whole suite process past Linux's vm.max_map_count (65530), and XLA aborted writing its compilation
-    cache (seen at 79% of a run from a fresh clone). No module keeps engines past its end."""
+    cache (seen at 79% of a run from a fresh clone). No module keeps engines past its end, nor the programs its direct
+    calls of the Pallas kernels compiled: each kernel entry point is a jit whose cache holds every shape and tuning a
+    module tried (the attention kernel tests alone held 71 programs, ~5,700 regions). Engines inline the kernels into
+    their own step programs, so clearing these caches recompiles nothing an engine holds."""
     yield
+    _clear_kernel_caches()
     gc.collect()
+
+
+def _clear_kernel_caches() -> None:
+    """Empties the jit caches of kernels_pallas' jitted functions (only of its modules already imported)."""
+    for name, module in list(sys.modules.items()):
+        if name == "kernels_pallas" or name.startswith("kernels_pallas."):
+            for value in vars(module).values():
+                if callable(getattr(value, "clear_cache", None)) and hasattr(value, "_cache_size"):
+                    value.clear_cache()

@@ -2,7 +2,7 @@
 warm compilation cache, at two depths of the same width.
 
 Each measurement runs in a fresh process (no program in memory) against a compilation-cache folder that is empty
-for the cold start and reused for the warm one. Weights (--weights):
+for the cold start and reused for the warm one, with no program store (`--compiled none`). Weights (--weights):
     abstract  shapes only: nothing is read or allocated, the programs compiled are the engine's own (the default on
               a CPU, where an 8B model's step cannot run in useful time, so its compile plan is the proxy);
     random    random weights drawn on the device, read on a thread while the programs compile, as a checkpoint is
@@ -60,12 +60,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.child is not None:
         print(json.dumps(measure(**json.loads(args.child))))
         return {}
+    from jaxserve.engine.startup import NO_STORE  # here: the children time their own import of JAX
+
     results = []
     for layers in args.layers:
         with tempfile.TemporaryDirectory(prefix="jaxserve-startup-cache-") as cache_dir:
             states = CACHE_STATES + (STORE_STATES if args.store else ())
             for cache_state in states:
-                store_dir = str(Path(cache_dir) / "programs") if cache_state in STORE_STATES else None
+                # The cache states start without a store (not even the default one beside the cache): they time
+                # the persistent compilation cache alone.
+                store_dir = str(Path(cache_dir) / "store") if cache_state in STORE_STATES else NO_STORE
                 result = run_child(args, layers, cache_dir, store_dir)
                 results.append({"layers": layers, "cache": cache_state, **result})
                 print(f"{layers:3d} layers, {cache_state}: ready in {result['ready_seconds']:.1f} s "

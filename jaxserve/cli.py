@@ -106,7 +106,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser, compiled: bool = True) ->
         group.add_argument("--compiled", dest="compiled_dir", metavar="DIR",
                            help="a store of compiled step programs (`jaxserve compile --out DIR`, or any earlier "
                            "start): those kept there load without tracing, lowering or compiling, the others are "
-                           "compiled and added (default: none, no store)")
+                           "compiled and added (default: programs/ in the compilation cache folder; none: off)")
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:

@@ -177,7 +177,9 @@ class EngineConfig:
     compiled_dir: str | None = _setting(None, "a store of compiled step programs (filled by `jaxserve compile --out` "
                                         "or by any start): programs kept there for this model, these settings and "
                                         "this JAX and device load whole, without tracing, lowering or compiling, and "
-                                        "those compiled are added (default: none, no store; flag: --compiled)", flag=False)
+                                        "those compiled are added (default: programs/ in compilation_cache_dir, "
+                                        "where only programs XLA compiled, not found in that cache, are added; "
+                                        "'none' turns it off; flag: --compiled)", flag=False)
     raise_on_compile: bool = _setting(True, "a compile after warm-up raises; False logs it", flag=False)
     static_batching: bool = _setting(False, "benchmark baseline: no request joins until the running batch has "
                                      "finished", flag=False)

@@ -200,7 +200,7 @@ def test_a_changed_setting_rebuilds_the_programs_it_shapes_and_loads_the_rest(st
 
 
 def test_the_store_defaults_to_the_compilation_cache_folder(tmp_path):
-    assert program_store_dir(EngineConfig(compilation_cache_dir=str(tmp_path))) is None  # no default store for now
+    assert program_store_dir(EngineConfig(compilation_cache_dir=str(tmp_path))) == tmp_path / PROGRAMS_FOLDER
     assert program_store_dir(EngineConfig(compilation_cache_dir=None)) is None
     assert program_store_dir(EngineConfig(compilation_cache_dir=None, compiled_dir=tmp_path)) == tmp_path
 
@@ -241,8 +241,6 @@ def _probe(cache: Path, batched_tokens: int, *store: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skip(reason="the default store (programs/ beside the compilation cache) is off until XLA:CPU "
-                         "deserialization crashes are understood")
 def test_programs_the_compilation_cache_hands_back_are_never_stored(tmp_path):
     """The default store, beside JAX's persistent cache, keeps only the programs XLA compiled in that start: one the
     cache hands back serializes without its machine code on XLA:CPU, and a start that loaded it would fail as it runs

@@ -221,12 +221,13 @@ def _draft_bytes_per_page(draft: ModelPlan | None, config: EngineConfig) -> int:
 
 
 def program_store_dir(config: EngineConfig) -> Path | None:
-    """Where compiled programs are kept: `compiled_dir`; None when it is not set, or is "none"."""
-    # No default store for now: on XLA:CPU a fresh-clone test run crashed (segfault) deserializing a program the
-    # default store held; the store is used where a folder is named.
-    if config.compiled_dir is None or config.compiled_dir == NO_STORE:
+    """Where compiled programs are kept: `compiled_dir`, else programs/ in the compilation cache's folder; None
+    when neither is set, or compiled_dir is "none"."""
+    if config.compiled_dir == NO_STORE:
         return None
-    return Path(config.compiled_dir)
+    if config.compiled_dir is not None:
+        return Path(config.compiled_dir)
+    return Path(config.compilation_cache_dir) / PROGRAMS_FOLDER if config.compilation_cache_dir is not None else None
 
 
 def open_program_store(config: EngineConfig, runner: ModelRunner) -> ProgramStore | None:

@@ -20,5 +20,5 @@ test:  ## runs the whole test suite, parity oracles included (CI runs exactly th
 # no package index. benchmarks/gpu_check.py's docstring says what each part measures.
 OUT ?= gpu-check-results
 
-gpu-check:  ## on a GPU host: GPU checks and benchmarks into OUT (ARGS="--group 1" ... "--group 6"; "--list")
+gpu-check:  ## on a GPU host: GPU checks and benchmarks into OUT (ARGS="--group 1" ... "--group 7"; "--list")
 	./scripts/gpu_check.sh "$(OUT)" $(ARGS)

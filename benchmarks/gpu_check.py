@@ -46,7 +46,9 @@ Parts (benchmarks/gpu_parts/, one registry entry each; `--list` prints them with
                             random ragged batches: decode, prefill, mixed x GQA 1/4/8 x head_dim 64/128, 16-token pages
              kernel_timing  benchmarks/kernels.py at decode 64 seqs x 2k context (Llama-3.1-8B's 32/8 heads, and GQA 8)
                             and prefill: fractions of copy bandwidth / matmul rate, vs JAX's shipped op and XLA
-             startup        benchmarks/startup.py at the 8B preset's shapes: cold (fresh compilation cache) and warm
+    group 7  startup        benchmarks/startup.py --store at the 8B preset's shapes: cold (fresh compilation cache)
+                            and warm, each without a program store, then a start that fills a store and one that
+                            loads every program from it (its ready time over the warm start's)
 
 Each part runs in a process of its own under a wall-clock budget: a Triton crash, an out-of-memory or a hang costs
 that part alone (reported with its status and the tail of its output) and the rest still runs. The report is
@@ -72,6 +74,7 @@ On the GPU host, from the source tree with .whl/ in it (its own python3 with CUD
     make gpu-check OUT=gpu-results ARGS="--group 4"
     make gpu-check OUT=gpu-results ARGS="--group 5"
     make gpu-check OUT=gpu-results ARGS="--group 6"
+    make gpu-check OUT=gpu-results ARGS="--group 7"
     make gpu-check OUT=gpu-results ARGS="--parts kernel_check,engine_parity"
 
 Anywhere, on the CPU, with tiny shapes and the kernels interpreted (what tests/test_gpu_check.py runs):

@@ -79,7 +79,8 @@ def test_listing_names_every_part_and_each_groups_budget():
     text = gpu_check.listing()
     assert all(part.name in text for part in PARTS)
     assert "group 1: 465 s" in text and "group 2: 480 s" in text and "group 3: 490 s" in text
-    assert "group 4: 480 s" in text and "group 5: 480 s" in text and "group 6: 470 s" in text
+    assert "group 4: 480 s" in text and "group 5: 480 s" in text and "group 6: 320 s" in text
+    assert "group 7: 300 s" in text
 
 
 def test_the_first_group_measures_decode_against_its_rooflines_before_anything_else():
@@ -386,7 +387,10 @@ def assert_figures_of_every_part(parts: dict) -> None:
     assert all(case["passed"] and case["kernel_rel_error"] < 0.02 for case in cases)
     assert {row["grid"] for row in figures["kernel_timing"]["points"]} == {"decode", "prefill"}
     assert all(row["pallas_fraction"] > 0 for row in figures["kernel_timing"]["points"])
-    assert [r["cache"] for r in figures["startup"]["report"]["results"]] == ["cold", "warm"]
+    startup = figures["startup"]["report"]
+    assert [r["cache"] for r in startup["results"]] == ["cold", "warm", "store fill", "store"]
+    assert startup["results"][-1]["sources"]["store"] == startup["results"][-1]["programs"] > 0
+    assert set(startup["store_ratio"]) == {"2"} and "from store / cache / compiled" in parts["startup"]["outcome"]["summary"]
     assert figures["engine_parity"]["identical"] and figures["engine_parity"]["first_divergence"] is None
     assert figures["engine_parity"]["log_prob_verdicts"] == {"prefill": True, "decode": True}
     assert all(row["host_phase_ms"]["dispatch"] > 0 for row in figures["engine_speed"]["rows"])

@@ -12,7 +12,8 @@ steps, and the step programs compiled on the device against the deviceless build
 2 validates the engine's numerics and measures pallas against xla attention; group 3 measures quantized weights and
 serving over HTTP; group 4 what serving LoRA adapters costs (the engine, and the delta's forms) and the host's work
 per step on the GPU host's CPU; group 5 what structured output costs, speculative decoding, and batch-1 decode
-with the layer loop in one CUDA graph; group 6 checks and times the Pallas kernels alone and the engine's start-up.
+with the layer loop in one CUDA graph; group 6 checks and times the Pallas kernels alone; group 7 times the
+engine's start-up: cold and warm compilation cache, then filling a program store and starting from it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-GROUPS = (1, 2, 3, 4, 5, 6)
+GROUPS = (1, 2, 3, 4, 5, 6, 7)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,11 +194,12 @@ PARTS += [
                               "--prefill-priors", "0"]}),
          "decode 64 x 2k and prefill against copy bandwidth / matmul rate, JAX's shipped op and XLA",
          plot="kernels.png"),
-    Part("startup", 6, 150, 120, "gpu_parts.startup_time:run",
+    Part("startup", 7, 300, 120, "gpu_parts.startup_time:run",
          dict(args=["--model", "llama-3.1-8b", "--layers", "32", "--max-num-seqs", "64",
-                    "--max-num-batched-tokens", "8192", "--max-model-len", "8192"]),
+                    "--max-num-batched-tokens", "8192", "--max-model-len", "8192", "--store"]),
          dict(args=["--model", "builtin", "--layers", "2", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
-                    "--max-model-len", "64", "--dtype", "float32"]),
-         "engine start-up at the 8B preset's shapes, cold and warm compilation cache", plot="startup.png"),
+                    "--max-model-len", "64", "--dtype", "float32", "--store"]),
+         "engine start-up at the 8B preset's shapes: cold and warm compilation cache, then filling a program store "
+         "and starting from it", plot="startup.png"),
 ]
 PARTS_BY_NAME = {part.name: part for part in PARTS}

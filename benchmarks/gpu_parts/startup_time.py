@@ -1,5 +1,6 @@
 """Engine start-up, by benchmarks/startup.py: ready time split into weight reading, lowering and compiling, with a
-fresh (cold) compilation cache and then the same cache again (warm), each start in a fresh process."""
+fresh (cold) compilation cache and then the same cache again (warm), each start in a fresh process without a program
+store; with --store, then a start that fills a store and one that loads every program from it."""
 
 from __future__ import annotations
 
@@ -16,10 +17,20 @@ def run(context: PartContext, args: list[str]) -> PartOutcome:
 
 def summary(report: dict[str, Any]) -> str:
     settings = report["settings"]
-    rows = [[r["layers"], r["cache"], r["weights"], r["programs"], f"{r['ready_seconds']:.1f}",
-             f"{r['load_seconds']:.1f}", f"{r['lower_seconds']:.1f}", f"{r['compile_seconds']:.1f}"]
+    rows = [[r["layers"], r["cache"], r["weights"], r["programs"], program_sources(r.get("sources", {})),
+             f"{r['ready_seconds']:.1f}", f"{r['load_seconds']:.1f}", f"{r['lower_seconds']:.1f}",
+             f"{r['compile_seconds']:.1f}"]
             for r in report["results"]]
+    ratios = "".join(f"\n\nstart from the store over the warm-cache start, {layers} layers: {ratio:.2f}"
+                     for layers, ratio in report.get("store_ratio", {}).items())
     return (f"{settings['model']} shapes, {settings['max_num_seqs']} seqs, {settings['max_num_batched_tokens']} "
             f"tokens per step, max_model_len {settings['max_model_len']}, {settings['dtype']}:\n\n"
-            + markdown_table(["layers", "cache", "weights", "programs", "ready s", "load s", "lower s", "compile s"],
-                             rows))
+            + markdown_table(["layers", "cache", "weights", "programs", "from store / cache / compiled", "ready s",
+                              "load s", "lower s", "compile s"], rows) + ratios)
+
+
+def program_sources(sources: dict[str, int]) -> str:
+    """"store / cache / compiled" program counts of one start ("-" where the report has none)."""
+    if not sources:
+        return "-"
+    return " / ".join(str(sources.get(name, 0)) for name in ("store", "cache", "compiled"))

@@ -390,7 +390,8 @@ def assert_figures_of_every_part(parts: dict) -> None:
     startup = figures["startup"]["report"]
     assert [r["cache"] for r in startup["results"]] == ["cold", "warm", "store fill", "store"]
     assert startup["results"][-1]["sources"]["store"] == startup["results"][-1]["programs"] > 0
-    assert set(startup["store_ratio"]) == {"2"} and "from store / cache / compiled" in parts["startup"]["outcome"]["summary"]
+    assert set(startup["store_ratio"]) == {"2"}
+    assert "from store / cache / compiled" in parts["startup"]["outcome"]["summary"]
     assert figures["engine_parity"]["identical"] and figures["engine_parity"]["first_divergence"] is None
     assert figures["engine_parity"]["log_prob_verdicts"] == {"prefill": True, "decode": True}
     assert all(row["host_phase_ms"]["dispatch"] > 0 for row in figures["engine_speed"]["rows"])
